@@ -1,0 +1,1 @@
+"""ComfyUI glue: the only package of the pack that imports ComfyUI."""

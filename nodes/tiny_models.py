@@ -1,0 +1,125 @@
+"""Tiny random-weight models built from ComfyUI's real model classes (tests and the demo server).
+
+Nothing here is downloaded or committed: weights come from a seeded generator. Cosmos-Predict2 files
+load through ComfyUI's stock detection (model_channels 192, 16 heads); Flux.1 / Flux.2 detection fixes
+heads at 24 x 128, so tiny Flux files carry their config in the safetensors metadata key
+``precision_lora.unet_config``, which ``PrecisionLoadDiffusionModel`` reads (stock ComfyUI cannot load them).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+import comfy.model_detection
+import comfy.model_management
+import comfy.model_patcher
+
+UNET_CONFIG_KEY = "precision_lora.unet_config"
+
+_FLUX_COMMON = {
+    "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 64, "hidden_size": 64,
+    "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12],
+    "theta": 10000, "patch_size": 2, "qkv_bias": True,
+}
+TINY_UNET_CONFIGS: dict[str, dict] = {
+    "flux1_dev": {"image_model": "flux", **_FLUX_COMMON, "guidance_embed": True},
+    "flux1_schnell": {"image_model": "flux", **_FLUX_COMMON, "guidance_embed": False},
+    "flux2": {
+        "image_model": "flux2", "in_channels": 128, "out_channels": 128, "vec_in_dim": None,
+        "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 3.0, "num_heads": 2, "depth": 1,
+        "depth_single_blocks": 1, "axes_dim": [8, 8, 8, 8], "theta": 2000, "patch_size": 1,
+        "qkv_bias": False, "ops_bias": False, "global_modulation": True, "mlp_silu_act": True,
+        "default_ref_method": "index", "ref_index_scale": 10.0, "guidance_embed": True,
+    },
+}
+COSMOS_CHANNELS = 192
+FAMILIES = ("cosmos", *TINY_UNET_CONFIGS)
+
+
+def cosmos_unet_config() -> dict:
+    """The config ComfyUI's own detection derives for a 192-channel Cosmos-Predict2 (Anima) DiT."""
+    probe = {
+        "blocks.0.mlp.layer1.weight": torch.empty(0),
+        "x_embedder.proj.1.weight": torch.empty(COSMOS_CHANNELS, 4 * 17),
+    }
+    return comfy.model_detection.detect_unet_config(probe, "")
+
+
+def unet_config_for(family: str) -> dict:
+    if family == "cosmos":
+        return cosmos_unet_config()
+    if family not in TINY_UNET_CONFIGS:
+        raise ValueError(f"[Precision LoRA] unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    return dict(TINY_UNET_CONFIGS[family])
+
+
+def _init_weights(module: torch.nn.Module, seed: int) -> None:
+    """ComfyUI ops leave weights as torch.empty: fill them deterministically (fan-in scaled)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                fan_in = math.prod(p.shape[1:])
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+            elif name.endswith(("scale", "norm.weight")) or ".norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
+                            dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given)."""
+    model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
+    if model_config is None:
+        raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
+    load_device = comfy.model_management.get_torch_device()
+    if dtype is None:
+        dtype = comfy.model_management.unet_dtype(supported_dtypes=list(model_config.supported_inference_dtypes))
+    manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, model_config.supported_inference_dtypes)
+    model_config.set_inference_dtype(dtype, manual_cast)
+    model = model_config.get_model(state_dict or {}, "")
+    model = model.to(comfy.model_management.unet_offload_device())
+    if state_dict is not None:
+        model.load_model_weights(state_dict, "")
+    return comfy.model_patcher.ModelPatcher(
+        model, load_device=load_device, offload_device=comfy.model_management.unet_offload_device()
+    )
+
+
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> comfy.model_patcher.ModelPatcher:
+    """A tiny random-weight model of ``family`` (see FAMILIES), built in-process, training-safe tensors."""
+    with torch.inference_mode(False):
+        patcher = build_model_from_config(unet_config_for(family), None, torch.float32)
+        _init_weights(patcher.model.diffusion_model, seed)
+        if dtype != torch.float32:
+            sd = tiny_state_dict(patcher)
+            patcher = build_model_from_config(unet_config_for(family), None, dtype)
+            patcher.model.load_model_weights(sd, "")
+    return patcher
+
+
+def tiny_state_dict(patcher: comfy.model_patcher.ModelPatcher) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
+
+
+def write_tiny_model(family: str, path: str, seed: int = 0) -> str:
+    """Write a tiny model file that PrecisionLoadDiffusionModel loads (atomically). Returns the path."""
+    import safetensors.torch
+
+    patcher = build_tiny_model(family, seed)
+    metadata = {"precision_lora.tiny_family": family}
+    if family != "cosmos":
+        metadata[UNET_CONFIG_KEY] = json.dumps(unet_config_for(family))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.partial"
+    safetensors.torch.save_file(tiny_state_dict(patcher), tmp, metadata=metadata)
+    os.replace(tmp, path)
+    return path
+
+
+def demo_model_filename(family: str) -> str:
+    return f"precision_tiny_{family}.safetensors"

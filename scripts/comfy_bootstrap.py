@@ -1,0 +1,142 @@
+"""Prepare a Python process to import the ComfyUI 0.3.75 that scripts/setup.sh unpacked into .comfyui.
+
+Used by scripts/launch.py (the server) and by the test harness (in-process ComfyUI). Nothing here edits
+site-packages: the torchvision work-around defines the two operator schemas that torchvision's
+pure-Python part registers fake kernels for, only when its CUDA-linked C++ library cannot be loaded.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMFY_DIR = os.environ.get("PRECISION_LORA_COMFYUI", os.path.join(ROOT, ".comfyui"))
+PACK_NAME = "comfyui-precision-lora"
+
+_torchvision_lib = None  # keeps the stub Library alive for the life of the process
+
+
+def stub_torchvision_ops() -> bool:
+    """Define torchvision::nms / qnms schemas if torchvision's C++ ops cannot load. Returns True if stubbed."""
+    global _torchvision_lib
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or _torchvision_lib is not None:
+        return False
+    import torch
+
+    if hasattr(torch.ops, "torchvision") and hasattr(torch.ops.torchvision, "nms"):
+        return False
+    libs = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so"))
+    try:
+        if libs:
+            torch.ops.load_library(libs[0])
+            return False
+    except (OSError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _torchvision_lib = lib
+    return True
+
+
+def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
+    """Put ComfyUI on sys.path, stub torchvision, and set ComfyUI's command line. Returns the ComfyUI dir.
+
+    Must run before the first ``import comfy``. ``argv`` are ComfyUI arguments (``--cpu`` is added
+    when CUDA is unavailable).
+    """
+    if not os.path.isfile(os.path.join(COMFY_DIR, "main.py")):
+        raise RuntimeError(
+            f"comfyui-precision-lora: ComfyUI not found at {COMFY_DIR}; run 'bash scripts/setup.sh' first"
+        )
+    if COMFY_DIR not in sys.path:
+        sys.path.insert(0, COMFY_DIR)
+    stub_torchvision_ops()
+    argv = list(argv or [])
+    import torch
+
+    if not torch.cuda.is_available() and "--cpu" not in argv:
+        argv.append("--cpu")
+    sys.argv = [os.path.join(COMFY_DIR, "main.py"), *argv]
+    if parse_args:
+        import comfy.options
+
+        comfy.options.enable_args_parsing()
+    return COMFY_DIR
+
+
+def link_pack(base_dir: str) -> str:
+    """Make <base>/custom_nodes/<pack> a symlink to this checkout (idempotent). Returns the link path."""
+    custom = os.path.join(base_dir, "custom_nodes")
+    os.makedirs(custom, exist_ok=True)
+    link = os.path.join(custom, PACK_NAME)
+    if os.path.islink(link) and os.path.realpath(link) == os.path.realpath(ROOT):
+        return link
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(ROOT, link)
+    return link
+
+
+def init_in_process(base_dir: str, argv: list[str] | None = None) -> None:
+    """Import ComfyUI in this process with ``base_dir`` as its base directory (models, output, ...).
+
+    Idempotent. Afterwards ComfyUI's own ``nodes`` module (not this pack's ``nodes/``) is importable.
+    A stand-in ``PromptServer.instance`` collects ``send_sync`` events in ``.events`` for tests.
+    """
+    if "folder_paths" in sys.modules:
+        return
+    base_dir = os.path.abspath(base_dir)
+    os.makedirs(base_dir, exist_ok=True)
+    prepare(["--base-directory", base_dir, "--disable-api-nodes", *(argv or [])])
+    import comfy.cli_args  # noqa: F401  (parses the args set above)
+    import folder_paths  # noqa: F401
+    # As main.py does: bind ComfyUI's ``utils`` package before a later import puts comfy/ on sys.path
+    # (where comfy/utils.py would shadow it).
+    import utils.extra_config  # noqa: F401
+    import server
+
+    if getattr(server.PromptServer, "instance", None) is None:
+        server.PromptServer.instance = _StandInServer()
+
+
+class _StandInServer:
+    """Just enough of PromptServer for nodes that send events or register routes in-process."""
+
+    def __init__(self) -> None:
+        from aiohttp import web
+
+        self.events: list[tuple[str, object, object]] = []
+        self.client_id = None
+        self.last_node_id = None
+        self.last_prompt_id = None
+        self.routes = web.RouteTableDef()
+        self.supports = set()
+
+    def send_sync(self, event, data, sid=None) -> None:
+        self.events.append((event, data, sid))
+
+    def send_progress_text(self, text, node_id, sid=None) -> None:
+        self.events.append(("progress_text", {"text": text, "node": node_id}, sid))
+
+
+def load_pack_in_process(base_dir: str):
+    """Load this pack through ComfyUI's own custom-node loader; returns the pack's module.
+
+    Sub-modules are then importable as ``<returned module>.__name__ + ".nodes.x"``.
+    """
+    import asyncio
+
+    init_in_process(base_dir)
+    import nodes as comfy_nodes  # ComfyUI's nodes.py
+
+    link = link_pack(os.path.abspath(base_dir))
+    name = link.replace(".", "_x_")
+    if name not in sys.modules:
+        ok = asyncio.run(comfy_nodes.load_custom_node(link))
+        if not ok:
+            raise RuntimeError(f"comfyui-precision-lora: ComfyUI failed to load the pack from {link}")
+    return sys.modules[name]

@@ -1,0 +1,36 @@
+"""Root test configuration: import paths, markers, and the tiers' shared options.
+
+The pack's pure packages (attention/, training/) are importable by name. The pack's nodes/ package is
+never imported as a top-level ``nodes`` (that name is ComfyUI's nodes.py): tests/comfy loads the pack
+through ComfyUI's custom-node loader (see tests/comfy/conftest.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+for path in (os.path.join(ROOT, "scripts"), TESTS, ROOT):
+    if path not in sys.path:
+        sys.path.append(path)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine); run on a GPU host with -m gpu")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,53 @@
+"""Tiny real ComfyUI models and matching data for tests (built at test time, never committed).
+
+Every model is a ComfyUI ModelPatcher around ComfyUI's real model class (Flux.1 dev/schnell, Flux.2,
+Cosmos-Predict2), fp32 by default, with seeded random weights that are ordinary (trainable) tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from comfy_harness import pack_module
+
+
+def _tiny():
+    return pack_module("nodes.tiny_models")
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """family: "cosmos", "flux1_dev", "flux1_schnell", "flux2"."""
+    return _tiny().build_tiny_model(family, seed, dtype)
+
+
+def tiny_flux1(variant: str = "dev", seed: int = 0, dtype: torch.dtype = torch.float32):
+    return tiny_model(f"flux1_{variant}", seed, dtype)
+
+
+def tiny_flux2(seed: int = 0, dtype: torch.dtype = torch.float32):
+    return tiny_model("flux2", seed, dtype)
+
+
+def tiny_cosmos(seed: int = 0, dtype: torch.dtype = torch.float32):
+    return tiny_model("cosmos", seed, dtype)
+
+
+def make_latent(model, batch: int = 1, width: int = 64, height: int = 64, seed: int = 0) -> dict:
+    """LATENT dict {"samples": ...} of the model's latent shape (Cosmos: 5-D (B,16,1,H/8,W/8))."""
+    return pack_module("nodes.test_data").make_latent(model, width, height, batch, seed)
+
+
+def make_conditioning(model, batch: int = 1, text: str = "a photo of sks", seed: int = 0, tokens: int = 8) -> list:
+    """CONDITIONING [[context (batch, tokens, width), {"pooled_output": ..., "guidance": ...}]]."""
+    cond = pack_module("nodes.test_data").make_conditioning(model, text, seed, tokens)
+    if batch > 1:
+        context, extra = cond[0]
+        extra = dict(extra)
+        if extra.get("pooled_output") is not None:
+            extra["pooled_output"] = extra["pooled_output"].repeat(batch, 1)
+        cond = [[context.repeat(batch, 1, 1), extra]]
+    return cond
+
+
+def write_model_file(family: str, path: str, seed: int = 0) -> str:
+    """Write a tiny model file PrecisionLoadDiffusionModel loads (Cosmos also loads with stock UNETLoader)."""
+    return _tiny().write_tiny_model(family, path, seed)
