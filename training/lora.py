@@ -1,0 +1,334 @@
+"""LoRA layers whose low-rank path accumulates in fp32 and is added before the base output is rounded.
+
+Dtype contract (PRECISION.md §1):
+
+- LoRA parameters are stored in fp32 by default (``param_dtype="bf16"`` stores them in bf16; the optimizer
+  must then use stochastic rounding or Kahan compensation). They are always *computed* in fp32.
+- ``fp32_accumulation=True``: with autocast disabled locally, the base linear produces an fp32 output
+  (on CUDA a bf16/fp16 GEMM with fp32 output when torch offers it, elsewhere an fp32 computation), the fp32
+  delta ``scale * up(down(x))`` is added, and the sum is cast **once** to the output dtype (the autocast
+  dtype when autocast is on for the input's device, else ``x.dtype``).
+- ``fp32_accumulation=False``: the plain path, base and delta computed in the model dtype and added there.
+
+Shapes: ``x`` (..., in_features); ``weight`` (out_features, in_features); ``bias`` (out_features,) or None;
+output (..., out_features). Fused projections (qkv) are ordinary wide linears here.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import targets as _targets
+
+PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_RANK = 1024
+
+
+def available_param_dtypes() -> dict[str, str | None]:
+    """Parameter storage dtypes (None = usable)."""
+    return {name: None for name in PARAM_DTYPES}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Everything that defines a LoRA set. Defaults are the node defaults (one source of truth)."""
+
+    rank: int = 16
+    alpha: float = 16.0
+    rslora: bool = False
+    dropout: float = 0.0
+    rank_dropout: float = 0.0
+    module_dropout: float = 0.0
+    fp32_accumulation: bool = True
+    targets: str = "attention"
+    include: str = ""
+    exclude: str = ""
+    blocks: str = ""
+    seed: int = 0
+    param_dtype: str = "fp32"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the bad value and the fix."""
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"[Precision LoRA] LoRAConfig.rank={self.rank!r} is invalid: use an integer in [1, {MAX_RANK}]")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"[Precision LoRA] LoRAConfig.alpha={self.alpha!r} is invalid: use a positive number (often alpha = rank)")
+        for name in ("dropout", "rank_dropout", "module_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"[Precision LoRA] LoRAConfig.{name}={value!r} is invalid: use a probability in [0, 1)")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"[Precision LoRA] LoRAConfig.param_dtype={self.param_dtype!r} is unknown: use one of {sorted(PARAM_DTYPES)}"
+            )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"[Precision LoRA] LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
+        _targets.validate_target_options(self.targets, self.include, self.exclude, self.blocks)
+
+    @property
+    def scale(self) -> float:
+        return lora_scale(self.alpha, self.rank, self.rslora)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The one place the LoRA scale is defined: alpha/rank, or alpha/sqrt(rank) for rsLoRA."""
+    return float(alpha) / (math.sqrt(rank) if rslora else float(rank))
+
+
+class DropoutRNG:
+    """Explicit per-device generators for the dropouts (never the global seed)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gens: dict[str, torch.Generator] = {}
+
+    def get(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._gens:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed + 1)
+            self._gens[key] = gen
+        return self._gens[key]
+
+
+def _mm_out_dtype_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Base linear with an fp32 output that has not been rounded to the model dtype.
+
+    On CUDA with bf16/fp16 operands (or under a bf16/fp16 autocast) a low-precision GEMM writes fp32
+    (``torch.mm(..., out_dtype=torch.float32)``); elsewhere (CPU: ``aten::mm.dtype`` is not implemented)
+    the product is computed in fp32. Call with autocast disabled. x (..., in) → (..., out) fp32.
+    """
+    low = _low_precision_dtype(x, weight)
+    if low is not None and _mm_out_dtype_supported(x.device):
+        x2 = x.reshape(-1, x.shape[-1]).to(low)
+        y = torch.mm(x2, weight.to(low).t(), out_dtype=torch.float32)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.float()
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def _low_precision_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in (torch.bfloat16, torch.float16):
+        return torch.get_autocast_dtype(dev)
+    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return x.dtype
+    return None
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a plain linear would return for x: the autocast dtype when autocast is on, else x.dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class LoRAAdapter(nn.Module):
+    """One low-rank adapter for a linear layer (out x in), e.g. a fused qkv projection.
+
+    Parameters: ``down`` (rank, in), ``up`` (out, rank), stored in ``param_dtype`` (fp32 default), ``up``
+    zero at init so the adapted layer equals the base bit-for-bit. The delta is always computed in fp32
+    with autocast disabled and scaled by ``scale`` in fp32. Dropouts act only in ``train()`` mode.
+    """
+
+    def __init__(self, in_features: int, out_features: int, config: LoRAConfig, *, rng: DropoutRNG | None = None,
+                 init_generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        dtype = PARAM_DTYPES[config.param_dtype]
+        down = torch.empty(config.rank, in_features, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(in_features)  # kaiming-uniform(a=sqrt(5)), as nn.Linear and kohya
+        down.uniform_(-bound, bound, generator=init_generator)
+        self.down = nn.Parameter(down.to(dtype))
+        self.up = nn.Parameter(torch.zeros(out_features, config.rank, dtype=dtype))
+        self.in_features, self.out_features, self.rank = in_features, out_features, config.rank
+        self.scale = config.scale
+        self.fp32_accumulation = config.fp32_accumulation
+        self.dropout, self.rank_dropout, self.module_dropout = config.dropout, config.rank_dropout, config.module_dropout
+        self.multiplier = 1.0
+        self._rng = rng or DropoutRNG(config.seed)
+        self._pristine = True  # up still holds its zero init (see delta_is_zero)
+        self._pristine_version = self.up._version
+
+    def delta_is_zero(self) -> bool:
+        """True while ``up`` provably still holds its zero init: never modified in place and never used in a
+        grad-enabled forward (an optimizer can only change it after one). Lets the layer return the base
+        output untouched, bit-equal to the base model."""
+        self._note_use()
+        if self._pristine and self.up._version != self._pristine_version:
+            self._pristine = False
+        return self._pristine
+
+    def mark_modified(self) -> None:
+        self._pristine = False
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
+
+    def _skip(self, device: torch.device) -> bool:
+        if not self.training or self.module_dropout <= 0:
+            return False
+        return bool(torch.rand((), generator=self._rng.get(device), device=device) < self.module_dropout)
+
+    def _mask(self, shape: Sequence[int], p: float, ref: torch.Tensor) -> torch.Tensor:
+        keep = torch.empty(shape, dtype=torch.float32, device=ref.device).bernoulli_(1.0 - p, generator=self._rng.get(ref.device))
+        return keep / (1.0 - p)
+
+    def _low_rank(self, h: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout > 0:
+            h = h * self._mask(h.shape, self.dropout, h)
+        h = F.linear(h, down)
+        if self.training and self.rank_dropout > 0:
+            shape = (h.shape[0],) + (1,) * (h.dim() - 2) + (h.shape[-1],) if h.dim() > 1 else h.shape
+            h = h * self._mask(shape, self.rank_dropout, h)
+        return F.linear(h, up)
+
+    def _note_use(self) -> None:
+        if torch.is_grad_enabled() and self.up.requires_grad:
+            self._pristine = False
+
+    def delta_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
+        """fp32 delta ``multiplier * scale * up(down(x))``; None when module dropout skips it. x (..., in) → (..., out)."""
+        self._note_use()
+        if self._skip(x.device):
+            return None
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = self._low_rank(x.float(), self.down.float(), self.up.float())
+            return h * (self.scale * self.multiplier)
+
+    def delta_plain(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Delta in the model dtype (autocast applies as to any layer); None when skipped."""
+        self._note_use()
+        if self._skip(x.device):
+            return None
+        dt = x.dtype
+        return self._low_rank(x, self.down.to(dt), self.up.to(dt)) * (self.scale * self.multiplier)
+
+    def forward_with_base(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Base linear plus this adapter; see the module docstring for the dtype contract."""
+        return lora_linear(x, weight, bias, (self,))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_with_base(x, weight, bias)
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                adapters: Iterable[LoRAAdapter]) -> torch.Tensor:
+    """``x W^T + b + sum(deltas)``. fp32 path if any adapter asks for it, else the plain model-dtype path.
+
+    x (..., in) in the model/compute dtype; weight (out, in) already in the compute dtype; output (..., out)
+    in ``output_dtype(x)``.
+    """
+    adapters = tuple(a for a in adapters if not a.delta_is_zero())
+    if not adapters:
+        return F.linear(x, weight, bias)
+    if not any(a.fp32_accumulation for a in adapters):
+        out = F.linear(x, weight, bias)
+        for a in adapters:
+            d = a.delta_plain(x)
+            if d is not None:
+                out = out + d.to(out.dtype)
+        return out
+    out_dtype = output_dtype(x)
+    low = _low_precision_dtype(x, weight)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        acc = base_linear_fp32(x if low is None else x.to(low), weight if low is None else weight.to(low), bias)
+        for a in adapters:
+            d = a.delta_fp32(x)
+            if d is not None:
+                acc = acc + d
+        return acc.to(out_dtype)
+
+
+def _module_key(path: str) -> str:
+    return path.replace(".", "/")
+
+
+class LoRASet(nn.Module):
+    """Adapters keyed by module path relative to the diffusion model ("double_blocks.0.img_attn.qkv").
+
+    ``shapes`` maps each path to (in_features, out_features). Parameter init is deterministic in
+    ``config.seed`` (paths in sorted order). ``train()`` / ``eval()`` switch the dropouts.
+    """
+
+    def __init__(self, config: LoRAConfig, shapes: Mapping[str, tuple[int, int]]) -> None:
+        super().__init__()
+        config.validate()
+        if not shapes:
+            raise ValueError("[Precision LoRA] LoRASet: no target modules; widen the targets preset or the include regex")
+        self.config = config
+        self.rng = DropoutRNG(config.seed)
+        gen = torch.Generator().manual_seed(config.seed)
+        self.layers = nn.ModuleDict()
+        self._paths: dict[str, str] = {}
+        for path in sorted(shapes):
+            n_in, n_out = shapes[path]
+            if config.rank > min(n_in, n_out):
+                raise ValueError(
+                    f"[Precision LoRA] LoRA rank={config.rank} exceeds the width of '{path}' ({n_out}x{n_in}): "
+                    f"use rank <= {min(n_in, n_out)} or exclude that module"
+                )
+            self.layers[_module_key(path)] = LoRAAdapter(n_in, n_out, config, rng=self.rng, init_generator=gen)
+            self._paths[path] = _module_key(path)
+        self.train(False)
+
+    def adapters(self) -> dict[str, LoRAAdapter]:
+        """Path → adapter, in sorted path order."""
+        return {p: self.layers[k] for p, k in self._paths.items()}  # type: ignore[misc]
+
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    def set_multiplier(self, multiplier: float) -> None:
+        """Strength applied to every delta (1.0 = trained strength)."""
+        for a in self.adapters().values():
+            a.multiplier = float(multiplier)
+
+    def param_groups(self, lr: float, loraplus_ratio: float = 1.0) -> list[dict]:
+        """Optimizer groups: ``lora_down`` at ``lr``, ``lora_up`` at ``lr * loraplus_ratio`` (LoRA+)."""
+        if lr <= 0 or loraplus_ratio <= 0:
+            raise ValueError(
+                f"[Precision LoRA] param_groups(lr={lr!r}, loraplus_ratio={loraplus_ratio!r}): both must be positive"
+            )
+        adapters = self.adapters().values()
+        return [
+            {"params": [a.down for a in adapters], "lr": lr, "name": "lora_down"},
+            {"params": [a.up for a in adapters], "lr": lr * loraplus_ratio, "name": "lora_up"},
+        ]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def load_factors(self, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Copy (down, up, file_scale) per path into the adapters, rescaling up so the delta is preserved.
+
+        Raises ValueError on unknown paths or rank/shape mismatch; nothing is modified in that case.
+        """
+        adapters = self.adapters()
+        for path, (down, up, _s) in factors.items():
+            a = adapters.get(path)
+            if a is None:
+                raise ValueError(f"[Precision LoRA] init LoRA has module '{path}' that is not a target of this LoRA set")
+            if tuple(down.shape) != tuple(a.down.shape) or tuple(up.shape) != tuple(a.up.shape):
+                raise ValueError(
+                    f"[Precision LoRA] init LoRA '{path}': down {tuple(down.shape)} / up {tuple(up.shape)} do not match "
+                    f"rank {a.rank} and layer {a.out_features}x{a.in_features}; set rank to the file's rank"
+                )
+        with torch.no_grad():
+            for path, (down, up, file_scale) in factors.items():
+                a = adapters[path]
+                a.down.copy_(down.float().to(a.down.dtype))
+                a.up.copy_((up.float() * (file_scale / a.scale)).to(a.up.dtype))
+                a.mark_modified()

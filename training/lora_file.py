@@ -1,0 +1,231 @@
+"""LoRA file format: kohya / diffusion_model keys, explicit ``.alpha``, string metadata, atomic save, checked read.
+
+Keys per adapted module (path relative to the diffusion model, e.g. ``double_blocks.0.img_attn.qkv``):
+``<prefix>.lora_down.weight`` (rank, in), ``<prefix>.lora_up.weight`` (out, rank), ``<prefix>.alpha`` (0-d).
+``prefix`` is ``lora_unet_<path with _>`` (kohya, Flux family) or ``diffusion_model.<path>``. ComfyUI
+scales by ``alpha / rank`` and uses 1.0 when ``.alpha`` is missing, so ``.alpha`` is always written (for
+rsLoRA it is ``scale * rank``, which makes ComfyUI reproduce the trained scale).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .lora import LoRAConfig, LoRASet
+
+log = logging.getLogger(__name__)
+
+PACK_VERSION = "0.1.0"
+SAVE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KEY_STYLES: dict[str, str] = {"kohya": "lora_unet_", "diffusion_model": "diffusion_model."}
+_KOHYA_FAMILIES = ("flux", "flux1", "flux2", "chroma", "kontext")
+_DOWN = (".lora_down.weight", ".lora_A.weight")
+_UP = (".lora_up.weight", ".lora_B.weight")
+
+
+def available_key_styles() -> dict[str, str | None]:
+    return {name: None for name in KEY_STYLES}
+
+
+def default_key_style(family: str) -> str:
+    """kohya keys for the Flux family (what sd-scripts writes), ``diffusion_model.`` keys for the rest."""
+    return "kohya" if family.lower().replace(".", "") in _KOHYA_FAMILIES else "diffusion_model"
+
+
+def key_prefix(path: str, key_style: str) -> str:
+    if key_style == "kohya":
+        return KEY_STYLES["kohya"] + path.replace(".", "_")
+    if key_style == "diffusion_model":
+        return KEY_STYLES["diffusion_model"] + path
+    raise ValueError(f"[Precision LoRA] key_style={key_style!r} is unknown: use one of {sorted(KEY_STYLES)}")
+
+
+def _save_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in SAVE_DTYPES.values():
+            raise ValueError(f"[Precision LoRA] save dtype {dtype} is unsupported: use one of {sorted(SAVE_DTYPES)}")
+        return dtype
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"[Precision LoRA] save dtype {dtype!r} is unknown: use one of {sorted(SAVE_DTYPES)}")
+    return SAVE_DTYPES[dtype]
+
+
+def lora_state_dict(lora_set: LoRASet, key_style: str, dtype: str | torch.dtype = "fp32") -> dict[str, torch.Tensor]:
+    """Tensors to save: down/up in ``dtype`` (multiplier not applied), ``.alpha`` fp32 0-d = scale * rank. CPU, contiguous."""
+    dt = _save_dtype(dtype)
+    out: dict[str, torch.Tensor] = {}
+    for path, a in lora_set.adapters().items():
+        prefix = key_prefix(path, key_style)
+        out[prefix + ".lora_down.weight"] = a.down.detach().float().to(dt).cpu().contiguous()
+        out[prefix + ".lora_up.weight"] = a.up.detach().float().to(dt).cpu().contiguous()
+        out[prefix + ".alpha"] = torch.tensor(a.scale * a.rank, dtype=torch.float32)
+    return out
+
+
+def lora_metadata(config: LoRAConfig, *, family: str, key_style: str, mixed_precision: str,
+                  extra: Mapping[str, object] | None = None) -> dict[str, str]:
+    """kohya-style ``ss_*`` metadata (strings) for a LoRA trained with ``config``; ``extra`` keys are copied verbatim."""
+    args = {k: getattr(config, k) for k in ("targets", "include", "exclude", "blocks", "dropout", "rank_dropout",
+                                              "module_dropout", "rslora", "fp32_accumulation", "param_dtype")}
+    md: dict[str, object] = {
+        "ss_network_module": "networks.lora_flux" if key_style == "kohya" else "networks.lora",
+        "ss_network_dim": config.rank,
+        "ss_network_alpha": config.scale * config.rank,
+        "ss_network_args": json.dumps(args, sort_keys=True),
+        "ss_base_model_version": family,
+        "modelspec.architecture": f"{family}/lora",
+        "ss_seed": config.seed,
+        "ss_mixed_precision": mixed_precision,
+        "ss_lora_fp32_accumulation": config.fp32_accumulation,
+        "ss_key_style": key_style,
+        "precision_lora_version": PACK_VERSION,
+    }
+    md.update(extra or {})
+    return {str(k): _md_str(v) for k, v in md.items()}
+
+
+def _md_str(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def save_lora_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                   overwrite: bool = False) -> str:
+    """Write ``tensors`` + ``metadata`` as safetensors atomically (temp file in the same folder + os.replace).
+
+    Refuses an existing ``path`` unless ``overwrite``; non-string metadata is an error. Returns the absolute path.
+    """
+    from safetensors.torch import save_file
+
+    path = os.path.abspath(path)
+    bad = {k: type(v).__name__ for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"[Precision LoRA] metadata values must be strings; got {bad}: convert them with str()")
+    if not tensors:
+        raise ValueError(f"[Precision LoRA] refusing to write an empty LoRA to '{path}'")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"[Precision LoRA] '{path}' exists: choose another name or enable overwrite")
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".precision_lora_", suffix=".partial", dir=folder)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=dict(metadata))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    log.info("[Precision LoRA] saved %d tensors to %s", len(tensors), path)
+    return path
+
+
+def read_lora_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Load tensors (CPU) and metadata ({} when none). Clear ValueError / FileNotFoundError on bad files."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"[Precision LoRA] LoRA file '{path}' does not exist: check the name and the loras folder")
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for bad headers and short files
+        raise ValueError(
+            f"[Precision LoRA] cannot read LoRA file '{path}' ({type(e).__name__}: {e}): the file is corrupt or "
+            "truncated (or not safetensors); re-save or re-download it"
+        ) from None
+    if not tensors:
+        raise ValueError(f"[Precision LoRA] LoRA file '{path}' holds no tensors: re-save it")
+    return tensors, metadata
+
+
+@dataclass(frozen=True)
+class LoRAFactors:
+    """One module's factors from a file: down (rank, in), up (out, rank), and the scale ComfyUI would use."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+def _prefix_map(linears: Mapping[str, tuple[int, int]]) -> dict[str, str]:
+    return {key_prefix(p, style): p for p in linears for style in KEY_STYLES}
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    for suffix in _DOWN + _UP + (".alpha",):
+        if key.endswith(suffix):
+            return key[: -len(suffix)], suffix
+    return None
+
+
+def parse_lora_tensors(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[int, int]],
+                       name: str = "LoRA file") -> dict[str, LoRAFactors]:
+    """Match file keys to the model's linear layers (path → (in, out)); check ranks and shapes.
+
+    Accepts kohya / diffusion_model prefixes with lora_down/lora_up or lora_A/lora_B. ValueError when no
+    key matches (a LoRA for another model), when some keys do not match, or on rank / shape mismatch.
+    """
+    prefixes = _prefix_map(linears)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    unknown: list[str] = []
+    for key, t in tensors.items():
+        split = _split_key(key)
+        if split is None or split[0] not in prefixes:
+            unknown.append(key)
+            continue
+        groups.setdefault(prefixes[split[0]], {})[split[1]] = t
+    if not groups:
+        raise ValueError(
+            f"[Precision LoRA] {name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches a linear "
+            "layer of this model: it is a LoRA for another model family or architecture; pick a LoRA trained for this model"
+        )
+    if unknown:
+        raise ValueError(
+            f"[Precision LoRA] {name}: {len(unknown)} keys do not match this model (e.g. {sorted(unknown)[:3]}): "
+            "the LoRA was trained for a different architecture or variant"
+        )
+    return {path: _factors(path, parts, linears[path], name) for path, parts in sorted(groups.items())}
+
+
+def _factors(path: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int], name: str) -> LoRAFactors:
+    down = next((parts[s] for s in _DOWN if s in parts), None)
+    up = next((parts[s] for s in _UP if s in parts), None)
+    if down is None or up is None:
+        raise ValueError(f"[Precision LoRA] {name}: module '{path}' lacks its {'down' if down is None else 'up'} factor: the file is incomplete")
+    n_in, n_out = shape
+    if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
+        raise ValueError(
+            f"[Precision LoRA] {name}: rank mismatch at '{path}': down {tuple(down.shape)} vs up {tuple(up.shape)}: the file is inconsistent"
+        )
+    if down.shape[1] != n_in or up.shape[0] != n_out:
+        raise ValueError(
+            f"[Precision LoRA] {name}: '{path}' is {n_out}x{n_in} in this model but the LoRA has up {tuple(up.shape)}, "
+            f"down {tuple(down.shape)}: the LoRA was trained for a different model size"
+        )
+    rank = int(down.shape[0])
+    alpha = parts.get(".alpha")
+    scale = 1.0 if alpha is None else float(alpha.float().item()) / rank  # ComfyUI's rule
+    return LoRAFactors(down, up, scale)
+
+
+def file_rank(factors: Mapping[str, LoRAFactors]) -> int:
+    """The single rank of a parsed file (ValueError if modules disagree)."""
+    ranks = sorted({f.rank for f in factors.values()})
+    if len(ranks) != 1:
+        raise ValueError(f"[Precision LoRA] the LoRA file mixes ranks {ranks}: it cannot initialise one LoRA set")
+    return ranks[0]
