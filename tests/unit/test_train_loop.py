@@ -1,0 +1,204 @@
+"""The pure training loop on a toy flow model: learning, chaining, resume, guard, DOP, accumulation."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_toy import ToyNet, toy_data, toy_fns  # noqa: E402
+from training.checkpoint import load_state, save_state
+from training.loop import Hooks, StepReport, train
+from training.settings import TrainSettings
+
+DIM = 8
+FAST = TrainSettings(learning_rate=3e-2, timestep_sampling="uniform")
+
+
+def _losses(result) -> list[float]:
+    return [p["loss"] for p in result.state.history]
+
+
+def test_loss_falls_on_one_sample_memorisation() -> None:
+    net = ToyNet(DIM)
+    fixed = TrainSettings(learning_rate=1e-2, timestep_sampling="logit_normal", logit_std=1e-3)  # sigma ~ 0.5
+    result = train(net.lora, toy_data(1, DIM), toy_fns(net), fixed, steps=200, seed=0)
+    losses = _losses(result)
+    assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
+
+
+def test_two_chained_runs_equal_one_run_bitwise() -> None:
+    data = toy_data(3, DIM)
+    s = TrainSettings(learning_rate=1e-2, lr_schedule="cosine", warmup_steps=2, schedule_steps=10, batch_size=2)
+    one_net = ToyNet(DIM)
+    one = train(one_net.lora, data, toy_fns(one_net), s, steps=10, seed=7)
+    two_net = ToyNet(DIM)
+    first = train(two_net.lora, data, toy_fns(two_net), s, steps=5, seed=7)
+    second = train(two_net.lora, data, toy_fns(two_net), s, steps=5, seed=999, state=first.state)
+    assert _losses(second) == _losses(one)
+    for name, value in one.state.lora.items():
+        assert torch.equal(value, second.state.lora[name]), name
+
+
+def test_resume_from_saved_state_file_continues_identical_losses(tmp_path) -> None:
+    data = toy_data(2, DIM)
+    ref_net = ToyNet(DIM)
+    ref = train(ref_net.lora, data, toy_fns(ref_net), FAST, steps=8, seed=3)
+    net = ToyNet(DIM)
+    saved: list[str] = []
+
+    def save(state, reason):
+        return save_state(str(tmp_path / f"ck_{state.step}.state.pt"), state)
+
+    train(net.lora, data, toy_fns(net), FAST.__class__(**{**FAST.to_dict(), "checkpoint_every": 4}), steps=4,
+          seed=3, hooks=Hooks(save_checkpoint=lambda st, r: saved.append(save(st, r)) or saved[-1]))
+    fresh = ToyNet(DIM)  # new process stand-in: LoRA re-initialised, everything comes from the file
+    resumed = train(fresh.lora, data, toy_fns(fresh), FAST, steps=4, state=load_state(saved[-1]))
+    assert _losses(resumed) == _losses(ref)
+
+
+def test_stop_action_saves_checkpoint_and_ends_early() -> None:
+    net = ToyNet(DIM)
+    seen: list[tuple[int, str]] = []
+    hooks = Hooks(on_step=lambda r: "interrupt" if r.local_step == 3 else None,
+                  save_checkpoint=lambda st, reason: seen.append((st.step, reason)) or f"ck{st.step}")
+    result = train(net.lora, toy_data(1, DIM), toy_fns(net), FAST, steps=10, hooks=hooks)
+    assert (result.stopped, result.reason, result.state.step) == (True, "interrupt", 3)
+    assert seen == [(3, "interrupt")] and result.checkpoints == ["ck3"]
+
+
+def test_reports_count_optimizer_steps_with_accumulation() -> None:
+    net = ToyNet(DIM)
+    reports: list[StepReport] = []
+    s = TrainSettings(grad_accum=3, learning_rate=1e-3)
+    train(net.lora, toy_data(2, DIM), toy_fns(net), s, steps=4, hooks=Hooks(on_step=lambda r: reports.append(r)))
+    assert [(r.step, r.local_step, r.total) for r in reports] == [(1, 1, 4), (2, 2, 4), (3, 3, 4), (4, 4, 4)]
+    assert all(r.loss is not None and math.isfinite(r.loss) and r.lr == pytest.approx(1e-3) for r in reports)
+
+
+def test_accumulation_of_two_equals_batch_of_two_gradient() -> None:
+    """With one sample, accumulating 2 micro-steps averages two draws: check against a manual mean."""
+    torch.manual_seed(0)
+    net = ToyNet(DIM)
+    with torch.no_grad():
+        net.lora.up.normal_()
+    s = TrainSettings(grad_accum=2, learning_rate=1e-3, optimizer="sgd", beta1=0.0, weight_decay=0.0,
+                      max_grad_norm=0.0, timestep_sampling="uniform")
+    before = {n: p.detach().clone() for n, p in net.lora.named_parameters()}
+    train(net.lora, toy_data(1, DIM), toy_fns(net), s, steps=1, seed=5)
+    # manual: same generator sequence, same two draws, gradient averaged
+    ref = ToyNet(DIM)
+    with torch.no_grad():
+        for n, p in ref.lora.named_parameters():
+            p.copy_(before[n])
+    gen = torch.Generator().manual_seed(5)
+    fns, data = toy_fns(ref), toy_data(1, DIM)
+    total = 0.0
+    for _ in range(2):
+        torch.randperm(1, generator=gen)
+        noise = torch.randn((1, DIM), generator=gen)
+        u = torch.rand(1, generator=gen, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)
+        x0 = data[0].latent[None]
+        xt = fns.noise_latent(u.float(), noise, x0)
+        total = total + ((fns.predict(xt, u.float(), torch.stack([data[0].cond])) - (noise - x0)) ** 2).mean() / 2
+    total.backward()
+    for n, p in ref.lora.named_parameters():
+        torch.testing.assert_close(before[n] - 1e-3 * p.grad, dict(net.lora.named_parameters())[n].detach())
+
+
+def test_injected_nan_is_skipped_and_rolled_back(tmp_path) -> None:
+    net = ToyNet(DIM)
+    s = TrainSettings(learning_rate=1e-2, nan_patience=2, checkpoint_every=1, timestep_sampling="uniform")
+    written: list[str] = []
+
+    def save(state, reason):
+        return save_state(str(tmp_path / f"s{state.step}.state.pt"), state)
+
+    hooks = Hooks(save_checkpoint=lambda st, r: written.append(save(st, r)) or written[-1])
+    result = train(net.lora, toy_data(1, DIM), toy_fns(net, nan_at={4, 5, 6}), s, steps=8, hooks=hooks)
+    skipped = [p["step"] for p in result.state.history if p["skipped"]]
+    assert skipped == [4, 5, 6] and result.state.skipped == 3 and result.state.rollbacks == 1
+    assert all(torch.isfinite(v).all() for v in result.state.lora.values())
+    for path in written:
+        assert all(torch.isfinite(v).all() for v in load_state(path).lora.values())
+
+
+def test_nan_in_parameters_is_never_written(tmp_path) -> None:
+    from training.guard import NonFiniteError
+
+    net = ToyNet(DIM)
+    result = train(net.lora, toy_data(1, DIM), toy_fns(net), FAST, steps=1)
+    result.state.lora["up"][0, 0] = float("inf")
+    target = tmp_path / "bad.state.pt"
+    with pytest.raises(NonFiniteError, match="'lora' holds NaN/inf"):
+        save_state(str(target), result.state)
+    assert not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_nan_policy_stop_ends_run_with_last_good_weights() -> None:
+    net = ToyNet(DIM)
+    s = TrainSettings(learning_rate=1e-2, nan_policy="stop", nan_patience=2)
+    result = train(net.lora, toy_data(1, DIM), toy_fns(net, nan_at={3, 4}), s, steps=6)
+    assert (result.stopped, result.reason, result.state.step) == (True, "nan", 4)
+    assert all(torch.isfinite(v).all() for v in result.state.lora.values())
+
+
+def test_dop_term_zero_at_init_positive_after_training() -> None:
+    net = ToyNet(DIM)
+    s = TrainSettings(learning_rate=3e-2, dop_multiplier=1.0, timestep_sampling="uniform")
+    result = train(net.lora, toy_data(1, DIM, class_cond=True), toy_fns(net), s, steps=20)
+    dops = [p["dop"] for p in result.state.history]
+    assert dops[0] == 0.0
+    assert dops[-1] > 1e-8
+
+
+def test_dop_every_n_only_on_those_steps() -> None:
+    net = ToyNet(DIM)
+    s = TrainSettings(dop_multiplier=1.0, dop_every_n=3)
+    result = train(net.lora, toy_data(1, DIM, class_cond=True), toy_fns(net), s, steps=6)
+    assert [p["dop"] is not None for p in result.state.history] == [True, False, False, True, False, False]
+
+
+def test_bf16_lora_uses_fp32_masters_and_resumes_exactly() -> None:
+    data = toy_data(1, DIM)
+    s = TrainSettings(learning_rate=1e-3, timestep_sampling="uniform")
+
+    def bf16_net() -> ToyNet:
+        net = ToyNet(DIM)
+        net.lora.to(torch.bfloat16)
+        return net
+
+    one = bf16_net()
+    ref = train(one.lora, data, toy_fns(one), s, steps=6, seed=1)
+    two = bf16_net()
+    a = train(two.lora, data, toy_fns(two), s, steps=3, seed=1)
+    assert a.state.masters and all(v.dtype == torch.float32 for v in a.state.masters.values())
+    b = train(two.lora, data, toy_fns(two), s, steps=3, state=a.state)
+    assert _losses(b) == _losses(ref)
+    assert two.lora.up.dtype == torch.bfloat16 and not torch.equal(two.lora.up.float(), torch.zeros_like(two.lora.up.float()))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, "steps=0: must be an integer > 0"),
+    ({"data": []}, "the dataset is empty"),
+    ({"settings": TrainSettings(learning_rate=0.0)}, "learning_rate=0.0: must be > 0"),
+    ({"settings": TrainSettings(optimizer="lion")}, "optimizer='lion': unknown"),
+    ({"settings": TrainSettings(dop_multiplier=1.0)}, "needs a class conditioning"),
+])
+def test_bad_input_raises_before_anything_changes(kwargs, message) -> None:
+    net = ToyNet(DIM)
+    before = {n: p.detach().clone() for n, p in net.lora.named_parameters()}
+    args = {"data": toy_data(1, DIM), "settings": TrainSettings(), "steps": 3, **kwargs}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        train(net.lora, args["data"], toy_fns(net), args["settings"], steps=args["steps"])
+    assert all(torch.equal(before[n], p) for n, p in net.lora.named_parameters())
+
+
+def test_state_from_other_optimizer_is_rejected() -> None:
+    net = ToyNet(DIM)
+    first = train(net.lora, toy_data(1, DIM), toy_fns(net), TrainSettings(), steps=1)
+    with pytest.raises(ValueError, match="made with optimizer 'adamw' but settings choose 'sgd'"):
+        train(net.lora, toy_data(1, DIM), toy_fns(net), TrainSettings(optimizer="sgd"), steps=1, state=first.state)

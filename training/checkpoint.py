@@ -1,0 +1,138 @@
+"""Training state (what continues a run) and its atomic checkpoint files.
+
+A ``TrainingState`` is a detached CPU snapshot: LoRA values, fp32 masters, optimizer state, generator
+states, step, loss history and settings. It flows between chained ``PrecisionTrainLoRA`` nodes and is
+what a checkpoint stores, so "continue in the graph" and "resume from a file" are the same code path.
+
+Checkpoint = two files written atomically (temp file + ``os.replace``), state first, LoRA last:
+``<base>.state.pt`` (``torch.save`` of ``TrainingState.to_dict()``, loads with ``weights_only=True``) and
+``<base>.safetensors`` (the LoRA, written by the caller-supplied writer in the ``PrecisionSaveLoRA``
+format). Non-finite tensors are refused (``NonFiniteError``) before anything is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .guard import assert_finite
+
+log = logging.getLogger(__name__)
+
+STATE_SUFFIX = ".state.pt"
+LORA_SUFFIX = ".safetensors"
+FORMAT_VERSION = 1
+
+
+def to_cpu(obj: Any) -> Any:
+    """Deep copy of nested dicts/lists/tuples with every tensor cloned to CPU (detached)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_cpu(v) for v in obj)
+    return obj
+
+
+@dataclass
+class TrainingState:
+    """Everything needed to continue a run bit-exactly. All tensors are CPU copies owned by this object.
+
+    ``lora``: trainable parameter name -> value in its stored dtype; ``masters``: fp32 masters of
+    low-precision parameters (empty when the LoRA is fp32); ``generator``: the loop's CPU generator state
+    (data order, timesteps, noise); ``extra_rng``: other generators (LoRA dropout), device -> state;
+    ``history``: one dict per optimizer step {"step", "loss", "lr", "sigma", "dop", "skipped"}.
+    """
+
+    step: int
+    seed: int
+    settings: dict[str, Any]
+    lora: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    generator: torch.Tensor
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra_rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    rollbacks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["format_version"] = FORMAT_VERSION
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainingState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {"step", "seed", "settings", "lora", "optimizer", "generator"} - set(data)
+        if missing:
+            raise ValueError(f"[Precision LoRA] training state is missing {sorted(missing)}; not a Precision LoRA checkpoint")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def losses(self) -> list[float]:
+        """Finite losses in step order (the ``LOSS_MAP`` list)."""
+        return [float(p["loss"]) for p in self.history if p.get("loss") is not None]
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".partial", dir=directory)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_state(path: str, state: TrainingState) -> str:
+    """Write ``state`` atomically to ``path`` (``*.state.pt``). Refuses non-finite tensors. Returns path."""
+    data = state.to_dict()
+    assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"]},
+                  f"training state {os.path.basename(path)}")
+    _atomic_write(path, lambda tmp: torch.save(data, tmp))
+    return path
+
+
+def load_state(path: str) -> TrainingState:
+    """Read a ``*.state.pt`` file (``weights_only=True``: no code runs). Clear errors on bad files."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"[Precision LoRA] training state file not found: {path}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated / foreign files
+        raise ValueError(f"[Precision LoRA] cannot read training state {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"[Precision LoRA] {path} is not a Precision LoRA training state")
+    return TrainingState.from_dict(data)
+
+
+def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str], str]) -> str:
+    """Write ``<base>.state.pt`` then the LoRA via ``write_lora(<base>.safetensors)``; returns the LoRA path.
+
+    ``write_lora`` must write atomically (``training.lora_file.save_lora_file`` does). Nothing is written
+    if the state holds a non-finite tensor.
+    """
+    save_state(base + STATE_SUFFIX, state)
+    path = write_lora(base + LORA_SUFFIX)
+    log.info("[Precision LoRA] checkpoint at step %d: %s", state.step, path)
+    return path
+
+
+def state_path_for(lora_path: str) -> str:
+    """The state file that belongs to a checkpoint's LoRA file (or to a state path itself)."""
+    if lora_path.endswith(STATE_SUFFIX):
+        return lora_path
+    root = lora_path[: -len(LORA_SUFFIX)] if lora_path.endswith(LORA_SUFFIX) else lora_path
+    return root + STATE_SUFFIX

@@ -1,0 +1,140 @@
+"""Autograd inside ComfyUI nodes: re-enable it, survive in-place residual adds, checkpoint blocks.
+
+- ComfyUI runs every node under ``torch.inference_mode()``; ``autograd_enabled()`` is the one place that
+  turns autograd back on (``inference_mode(False)`` + ``enable_grad()``).
+- Flux/Chroma blocks add residuals in place (``img += ...``). Autograd then either raises "modified by
+  an inplace operation" or, under non-reentrant checkpointing, silently computes wrong gradients.
+  ``clone_saved_tensors()`` installs ``saved_tensors_hooks`` whose pack hook clones every saved
+  activation that is not a Parameter, so a later in-place write cannot change what backward reads.
+  It cannot rescue inference tensors (autograd rejects them before any hook runs): inputs and weights
+  made under inference mode must be cloned once with ``clone_if_inference`` before the forward.
+- ``checkpoint_blocks()`` wraps each block's ``forward`` in reentrant activation checkpointing with
+  cloned tensor inputs (a block input is modified in place by the next residual add, so the saved input
+  must be a copy), under the same hooks during recomputation. Forwards are restored on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Leave any enclosing ``inference_mode`` and enable grad for the body."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def clone_if_inference(t: torch.Tensor) -> torch.Tensor:
+    """A normal tensor with the same values: ``t`` itself unless it is an inference tensor (then cloned).
+
+    Must be called outside inference mode for the clone to be a normal tensor.
+    """
+    return t.clone() if t.is_inference() else t
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, nn.Parameter):
+        return t
+    return t.clone()
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def clone_saved_tensors() -> Iterator[None]:
+    """Every tensor autograd saves in the body is stored as a private clone (Parameters excepted).
+
+    Costs one copy per saved activation; it is what makes in-place residual adds safe for backward.
+    """
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+def _split(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
+    """Tensors found in args/kwargs (top level) and a template to rebuild the call."""
+    tensors: list[torch.Tensor] = []
+
+    def take(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return ("__tensor__", len(tensors) - 1)
+        return v
+
+    template = ([take(a) for a in args], {k: take(v) for k, v in kwargs.items()})
+    return tensors, template
+
+
+def _rebuild(template: Any, tensors: Sequence[torch.Tensor]) -> tuple[list, dict]:
+    def put(v: Any) -> Any:
+        if isinstance(v, tuple) and len(v) == 2 and v[0] == "__tensor__":
+            return tensors[v[1]]
+        return v
+
+    args, kwargs = template
+    return [put(a) for a in args], {k: put(v) for k, v in kwargs.items()}
+
+
+def _prepare_input(t: torch.Tensor) -> torch.Tensor:
+    """Private copy of a block input; float inputs require grad so reentrant checkpointing keeps the graph."""
+    c = t.clone()
+    if c.is_floating_point() and not c.requires_grad:
+        c.requires_grad_(True)
+    return c
+
+
+def _checkpointed(forward: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        tensors, template = _split(args, kwargs)
+        tensors = [_prepare_input(t) for t in tensors]
+
+        def body(*ts: torch.Tensor) -> Any:
+            a, k = _rebuild(template, ts)
+            with clone_saved_tensors():
+                return forward(*a, **k)
+
+        return checkpoint(body, *tensors, use_reentrant=True, preserve_rng_state=True)
+
+    return run
+
+
+@contextlib.contextmanager
+def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Iterator[int]:
+    """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
+
+    Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
+    again on exit, so the shared model is unchanged afterwards.
+    """
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for block in blocks:
+            previous = block.__dict__.get("forward")
+            block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+            patched.append((block, previous))
+        yield len(patched)
+    finally:
+        for block, previous in reversed(patched):
+            if previous is None:
+                del block.forward
+            else:
+                block.forward = previous  # type: ignore[method-assign]
+
+
+def find_block_lists(root: nn.Module, names: Sequence[str] = ()) -> list[nn.Module]:
+    """Blocks to checkpoint: children of the named ModuleLists of ``root`` or, without names, of every
+    direct-child ModuleList (Flux: double_blocks + single_blocks; Cosmos: blocks)."""
+    lists = [getattr(root, n) for n in names if isinstance(getattr(root, n, None), nn.ModuleList)]
+    if not names:
+        lists = [m for m in root.children() if isinstance(m, nn.ModuleList) and len(m) >= 1]
+    return [b for lst in lists for b in lst]

@@ -1,0 +1,288 @@
+"""The training loop: pure torch, one linear ``train()`` function, no ComfyUI.
+
+The node glue supplies the model as plain callables (``ModelFns``), the data as ``Sample``s, and
+``Hooks`` for progress, control (stop / checkpoint now / interrupt) and checkpoint writing. All
+randomness (data order, timesteps, noise) comes from one CPU ``torch.Generator`` seeded from ``seed``
+or restored from a ``TrainingState``, so N + M chained steps equal N + M steps in one run.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import TrainingState, to_cpu
+from .guard import NanGuard, all_finite, grads_finite
+from .optim import MasterWeights, apply_lr, build_optimizer
+from .sampling import loss_weight, sample_u, weighted_mse
+from .settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+Predict = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+ACTIONS = ("stop", "checkpoint", "interrupt")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training example. ``latent`` (C, ...) in model space (after ``process_latent_in``), fp32.
+
+    ``cond``/``class_cond`` are opaque to the loop (collated by ``ModelFns.collate``); samples whose
+    ``group`` and latent shape are equal can share one forward pass.
+    """
+
+    latent: torch.Tensor
+    cond: Any
+    group: Hashable = 0
+    class_cond: Any = None
+
+
+@dataclass(frozen=True)
+class ModelFns:
+    """The model as the loop sees it. Shapes: x (b, C, ...), sigma/u (b,).
+
+    predict(x_t, sigma, cond) -> prediction in the target space, fp32, same shape as x_t.
+    predict_base: the same with the LoRA disabled (DOP prior); None if DOP is unsupported.
+    sigma_of_u(u float64 (b,)) -> the model's sigma (b,) on the model's device.
+    noise_latent(sigma, noise, x0) -> x_t;  target(sigma, noise, x0) -> regression target.
+    collate(list of per-sample conds) -> one batched cond.
+    """
+
+    predict: Predict
+    sigma_of_u: Callable[[torch.Tensor], torch.Tensor]
+    noise_latent: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    target: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    collate: Callable[[list[Any]], Any]
+    predict_base: Predict | None = None
+    device: torch.device = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Sent to ``Hooks.on_step`` after every optimizer step. ``loss`` is None when the step was skipped."""
+
+    step: int          # optimizer steps done in the whole run (continues across chained nodes)
+    local_step: int    # steps done by this call
+    total: int         # steps this call will do
+    loss: float | None
+    lr: float
+    sigma: float
+    dop: float | None
+
+
+@dataclass
+class Hooks:
+    """on_step returns None, "stop", "checkpoint" or "interrupt"; save_checkpoint(state, reason) -> path."""
+
+    on_step: Callable[[StepReport], str | None] | None = None
+    save_checkpoint: Callable[[TrainingState, str], str] | None = None
+
+
+@dataclass
+class RunResult:
+    state: TrainingState
+    stopped: bool = False
+    reason: str = "done"           # done | stop | interrupt | nan
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
+    settings.validate()
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"[Precision LoRA] steps={steps!r}: must be an integer > 0")
+    if len(data) == 0:
+        raise ValueError("[Precision LoRA] the dataset is empty: connect at least one latent")
+    if settings.dop_multiplier > 0:
+        if fns.predict_base is None:
+            raise ValueError("[Precision LoRA] DOP needs a model whose LoRA can be switched off; set dop_multiplier to 0")
+        if any(s.class_cond is None for s in data):
+            raise ValueError("[Precision LoRA] dop_multiplier > 0 needs a class conditioning; connect "
+                             "class_conditioning or set dop_multiplier to 0")
+
+
+class _Run:
+    """Live objects of one call of ``train`` (optimizer, generator, guard). Not part of the public API."""
+
+    def __init__(self, module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings,
+                 seed: int, state: TrainingState | None) -> None:
+        self.module, self.data, self.fns, self.s, self.seed = module, data, fns, settings, seed
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        groups = _param_groups(module, settings)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.masters = MasterWeights(groups, self.gen)
+        self.optimizer = build_optimizer(groups, settings)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.guard = NanGuard(settings.nan_patience, settings.nan_policy)
+        self.step, self.history = 0, []
+        if state is not None:
+            self._restore(state)
+        self.guard.snapshot(self.step, self.params, self.optimizer)
+
+    # ---- state ----
+    def _restore(self, state: TrainingState) -> None:
+        if state.settings.get("optimizer") != self.s.optimizer:
+            raise ValueError(f"[Precision LoRA] the training state was made with optimizer "
+                             f"{state.settings.get('optimizer')!r} but settings choose {self.s.optimizer!r}; "
+                             "use the same optimizer to continue")
+        _load_named(self.module, state.lora, "LoRA parameters")
+        with torch.no_grad():
+            for p, m in self.masters.masters():
+                m.copy_(state.masters.get(self.names[id(p)], p.float()))
+        try:
+            self.optimizer.load_state_dict(to_cpu(state.optimizer))
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"[Precision LoRA] the training state's optimizer does not fit this LoRA: {exc}") from exc
+        self.gen.set_state(state.generator.clone())
+        _set_extra_rng(self.module, state.extra_rng)
+        self.step, self.history = state.step, [dict(p) for p in state.history]
+        self.guard.skipped, self.guard.rollbacks = state.skipped, state.rollbacks
+        self.seed = state.seed
+
+    def snapshot(self) -> TrainingState:
+        masters = {self.names[id(p)]: m.detach().cpu().clone() for p, m in self.masters.masters()}
+        return TrainingState(
+            step=self.step, seed=self.seed, settings=self.s.to_dict(),
+            lora={n: p.detach().cpu().clone() for n, p in self.module.named_parameters()},
+            optimizer=to_cpu(self.optimizer.state_dict()), generator=self.gen.get_state().clone(),
+            masters=masters, extra_rng=_get_extra_rng(self.module), history=[dict(p) for p in self.history],
+            skipped=self.guard.skipped, rollbacks=self.guard.rollbacks)
+
+    # ---- one optimizer step ----
+    def _forward_group(self, ids: list[int], batch: int, dop_on: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Loss of one same-shape group, already scaled by its share of the batch; backward is done here."""
+        fns, s = self.fns, self.s
+        x0 = torch.stack([self.data[i].latent for i in ids]).to(fns.device, torch.float32)
+        noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32).to(fns.device)
+        u = sample_u(s, len(ids), self.gen)
+        sigma = fns.sigma_of_u(u)
+        x_t = fns.noise_latent(sigma, noise, x0)
+        target = fns.target(sigma, noise, x0)
+        share = len(ids) / batch
+        loss = weighted_mse(fns.predict(x_t, sigma, fns.collate([self.data[i].cond for i in ids])),
+                            target, loss_weight(s.loss_weighting, u).float()) * share
+        dop = torch.zeros((), device=loss.device)
+        if dop_on:
+            ccond = fns.collate([self.data[i].class_cond for i in ids])
+            with torch.no_grad():
+                prior = fns.predict_base(x_t, sigma, ccond)  # type: ignore[misc]
+            dop = s.dop_multiplier * (fns.predict(x_t, sigma, ccond).float() - prior.float()).pow(2).mean() * share
+        ((loss + dop) / s.grad_accum).backward()
+        return loss.detach(), dop.detach(), float(sigma.float().mean())
+
+    def _micro_batch(self, dop_on: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+        n = len(self.data)
+        batch = min(self.s.batch_size, n)
+        picks = torch.randperm(n, generator=self.gen)[:batch].tolist()
+        groups: dict[tuple[Hashable, tuple[int, ...]], list[int]] = {}
+        for i in picks:
+            groups.setdefault((self.data[i].group, tuple(self.data[i].latent.shape)), []).append(i)
+        loss, dop, sigmas = torch.zeros(()), torch.zeros(()), []
+        for ids in groups.values():
+            g_loss, g_dop, g_sigma = self._forward_group(ids, batch, dop_on)
+            loss, dop = loss + g_loss.cpu(), dop + g_dop.cpu()
+            sigmas.append(g_sigma)
+        return loss, dop, sum(sigmas) / len(sigmas)
+
+    def one_step(self) -> tuple[dict[str, Any], str]:
+        """1. lr  2. accumulate  3. guard  4. clip + step  5. record. Returns (history point, guard outcome)."""
+        s = self.s
+        lr = apply_lr(self.optimizer, self.step, s)
+        dop_on = s.dop_multiplier > 0 and self.step % s.dop_every_n == 0
+        loss, dop, sigma = torch.zeros(()), torch.zeros(()), 0.0
+        for _ in range(s.grad_accum):
+            m_loss, m_dop, m_sigma = self._micro_batch(dop_on)
+            loss, dop, sigma = loss + m_loss / s.grad_accum, dop + m_dop / s.grad_accum, sigma + m_sigma / s.grad_accum
+        self.masters.pull_grads()
+        outcome = "ok"
+        if not (all_finite([loss, dop]) and grads_finite(self.params)):
+            outcome = self.guard.bad(self.step, "non-finite loss or gradient", self.params, self.optimizer)
+        else:
+            if s.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, s.max_grad_norm)
+            self.optimizer.step()
+            if not all_finite(self.params):
+                self.guard.restore(self.params, self.optimizer)
+                outcome = self.guard.bad(self.step, "parameters non-finite after the update (restored)",
+                                         self.params, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.masters.push()
+        self.step += 1
+        if outcome == "ok":
+            self.guard.good()
+            self.guard.maybe_snapshot(self.step, self.params, self.optimizer)
+        point = {"step": self.step, "loss": float(loss) if outcome == "ok" else None, "lr": lr, "sigma": sigma,
+                 "dop": float(dop) if dop_on and outcome == "ok" else None, "skipped": outcome != "ok"}
+        self.history.append(point)
+        return point, outcome
+
+
+def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:
+    """LoRA+ groups from ``module.param_groups`` (a LoRASet), else one group of every parameter."""
+    if hasattr(module, "param_groups"):
+        return module.param_groups(settings.learning_rate, settings.loraplus_ratio)
+    return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.learning_rate}]
+
+
+def _load_named(module: nn.Module, values: dict[str, torch.Tensor], what: str) -> None:
+    params = dict(module.named_parameters())
+    if set(params) != set(values):
+        extra, missing = sorted(set(values) - set(params))[:3], sorted(set(params) - set(values))[:3]
+        raise ValueError(f"[Precision LoRA] the training state's {what} do not match the attached LoRA "
+                         f"(state only: {extra}, LoRA only: {missing}); attach the LoRA the state was trained with")
+    for name, p in params.items():
+        if tuple(values[name].shape) != tuple(p.shape):
+            raise ValueError(f"[Precision LoRA] the training state's '{name}' has shape {tuple(values[name].shape)}, "
+                             f"the attached LoRA {tuple(p.shape)}; attach a LoRA with the same rank and targets")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(values[name].to(p.device, p.dtype))
+
+
+def _get_extra_rng(module: nn.Module) -> dict[str, torch.Tensor]:
+    gens = getattr(getattr(module, "rng", None), "_gens", None) or {}
+    return {dev: g.get_state().clone() for dev, g in gens.items()}
+
+
+def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
+    rng = getattr(module, "rng", None)
+    if rng is None or not hasattr(rng, "get"):
+        return
+    for dev, st in states.items():
+        rng.get(torch.device(dev)).set_state(st.clone())
+
+
+def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,
+          seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None) -> RunResult:
+    """Run ``steps`` optimizer steps on ``module``'s parameters (trained in place), continuing ``state``.
+
+    Autograd must be enabled by the caller (see ``training.grad.autograd_enabled``). Raises ValueError on
+    bad input before anything is modified. Returns the final snapshot and how the run ended.
+    """
+    _check_inputs(data, steps, settings, fns)
+    hooks = hooks or Hooks()
+    was_training = module.training
+    run = _Run(module, data, fns, settings, seed, state)
+    result = RunResult(state=run.snapshot())
+    module.train(True)
+    try:
+        for local in range(steps):
+            point, outcome = run.one_step()
+            report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
+            action = hooks.on_step(report) if hooks.on_step else None
+            if action is not None and action not in ACTIONS:
+                raise ValueError(f"[Precision LoRA] on_step returned {action!r}; expected one of {ACTIONS}")
+            periodic = settings.checkpoint_every > 0 and run.step % settings.checkpoint_every == 0
+            stop_reason = "nan" if outcome == "stop" else action if action in ("stop", "interrupt") else None
+            if hooks.save_checkpoint and (periodic or action == "checkpoint" or stop_reason):
+                result.checkpoints.append(hooks.save_checkpoint(run.snapshot(), stop_reason or action or "periodic"))
+            if stop_reason:
+                result.stopped, result.reason = True, stop_reason
+                log.info("[Precision LoRA] training stopped at step %d (%s)", run.step, stop_reason)
+                break
+    finally:
+        module.train(was_training)
+    result.state = run.snapshot()
+    return result

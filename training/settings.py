@@ -1,0 +1,114 @@
+"""Training settings: one frozen dataclass, validated in one place.
+
+``TrainSettings`` is what ``PrecisionTrainSettings`` builds and ``PrecisionTrainLoRA`` consumes. Every
+option list (optimizers, schedules, samplers, weightings, targets, NaN policies) comes from the registry
+that implements it, so a name accepted here is a name the loop can run.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .optim import OPTIMIZERS, SCHEDULES
+from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS
+
+NAN_POLICIES: dict[str, str] = {
+    "rollback": "skip a non-finite step; after `nan_patience` bad steps in a row restore the last good LoRA + optimizer",
+    "stop": "skip a non-finite step; after `nan_patience` bad steps in a row stop the run (last good state kept)",
+}
+
+
+def _err(field: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"[Precision LoRA] TrainSettings.{field}={value!r}: {fix}")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Optimizer, schedule, sampling, loss and safety options of a training run (no model, no data)."""
+
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    schedule_steps: int = 1000      # horizon of decaying schedules, independent of how runs are chained
+    restarts: int = 1               # cosine_with_restarts cycles
+    loraplus_ratio: float = 1.0     # lr of lora_up = lr * ratio (1 = plain LoRA)
+    batch_size: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0      # 0 = no clipping
+    timestep_sampling: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    sigmoid_scale: float = 1.0
+    shift: float = 3.0
+    loss_weighting: str = "none"
+    target: str = "auto"
+    dop_multiplier: float = 0.0     # 0 = DOP off
+    dop_every_n: int = 1
+    checkpoint_every: int = 0       # 0 = no periodic checkpoints
+    nan_policy: str = "rollback"
+    nan_patience: int = 3
+    gradient_checkpointing: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the bad value and the fix."""
+        self._validate_names()
+        if not self.learning_rate > 0:
+            raise _err("learning_rate", self.learning_rate, "must be > 0 (typical LoRA values: 1e-5 .. 1e-3)")
+        if self.weight_decay < 0:
+            raise _err("weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise _err(name, getattr(self, name), "must be in [0, 1)")
+        if not self.eps > 0:
+            raise _err("eps", self.eps, "must be > 0")
+        self._validate_counts()
+        if self.lr_schedule == "constant" and self.warmup_steps > 0:
+            raise _err("warmup_steps", self.warmup_steps, "has no effect with lr_schedule 'constant'; "
+                       "choose 'constant_with_warmup' or set warmup_steps to 0")
+        if self.warmup_steps > self.schedule_steps and self.lr_schedule not in ("constant", "constant_with_warmup"):
+            raise _err("warmup_steps", self.warmup_steps, f"must be <= schedule_steps ({self.schedule_steps})")
+        if not self.loraplus_ratio > 0:
+            raise _err("loraplus_ratio", self.loraplus_ratio, "must be > 0 (1 = plain LoRA, LoRA+ uses ~16)")
+        if self.max_grad_norm < 0:
+            raise _err("max_grad_norm", self.max_grad_norm, "must be >= 0 (0 disables clipping)")
+        if not self.logit_std > 0:
+            raise _err("logit_std", self.logit_std, "must be > 0")
+        if not self.sigmoid_scale > 0:
+            raise _err("sigmoid_scale", self.sigmoid_scale, "must be > 0")
+        if not self.shift > 0:
+            raise _err("shift", self.shift, "must be > 0 (1 = no shift, > 1 favours high noise)")
+        if self.dop_multiplier < 0:
+            raise _err("dop_multiplier", self.dop_multiplier, "must be >= 0 (0 disables DOP)")
+
+    def _validate_names(self) -> None:
+        registries: dict[str, Mapping[str, Any]] = {
+            "optimizer": OPTIMIZERS, "lr_schedule": SCHEDULES, "timestep_sampling": TIMESTEP_SAMPLERS,
+            "loss_weighting": LOSS_WEIGHTINGS, "target": TARGETS, "nan_policy": NAN_POLICIES,
+        }
+        for field, registry in registries.items():
+            value = getattr(self, field)
+            if value not in registry:
+                raise _err(field, value, f"unknown; choose one of {sorted(registry)}")
+
+    def _validate_counts(self) -> None:
+        minimums = {"warmup_steps": 0, "schedule_steps": 1, "restarts": 1, "batch_size": 1, "grad_accum": 1,
+                    "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1}
+        for field, low in minimums.items():
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise _err(field, value, f"must be an integer >= {low}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSettings:
+        """Inverse of ``to_dict``; unknown keys (from a newer version) are ignored, missing ones default."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
