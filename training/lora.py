@@ -161,6 +161,7 @@ class LoRAAdapter(nn.Module):
         self._rng = rng or DropoutRNG(config.seed)
         self._pristine = True  # up still holds its zero init (see delta_is_zero)
         self._pristine_version = self.up._version
+        self.train(False)  # dropouts only while training: the trainer calls train()
 
     def delta_is_zero(self) -> bool:
         """True while ``up`` provably still holds its zero init: never modified in place and never used in a

@@ -1,0 +1,116 @@
+"""LoRA file format: keys, .alpha, dtypes, metadata, atomic save, read errors, key parsing."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from training.lora import LoRAConfig, LoRASet
+from training.lora_file import (default_key_style, file_rank, lora_metadata, lora_state_dict, parse_lora_tensors,
+                                read_lora_file, save_lora_file)
+
+SHAPES = {"double_blocks.0.img_attn.qkv": (16, 48), "single_blocks.0.linear2": (40, 16)}
+
+
+def _set(rank=4, **kw) -> LoRASet:
+    s = LoRASet(LoRAConfig(rank=rank, alpha=2.0, **kw), SHAPES)
+    with torch.no_grad():
+        for a in s.adapters().values():
+            a.up.normal_()
+            a.mark_modified()
+    return s
+
+
+def test_kohya_and_diffusion_model_keys_with_alpha():
+    s = _set()
+    kohya = lora_state_dict(s, "kohya", "fp32")
+    assert set(kohya) == {f"lora_unet_{p}.{k}" for p in ("double_blocks_0_img_attn_qkv", "single_blocks_0_linear2")
+                          for k in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert kohya["lora_unet_single_blocks_0_linear2.lora_down.weight"].shape == (4, 40)
+    assert kohya["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item() == 2.0
+    dm = lora_state_dict(s, "diffusion_model", torch.bfloat16)
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight" in dm
+    assert dm["diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight"].dtype == torch.bfloat16
+    assert dm["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].dtype == torch.float32
+    assert default_key_style("flux1") == "kohya" and default_key_style("cosmos_predict2") == "diffusion_model"
+
+
+def test_rslora_alpha_reproduces_scale_under_comfy_rule():
+    s = _set(rslora=True)
+    sd = lora_state_dict(s, "kohya", "fp16")
+    alpha = sd["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item()
+    assert alpha / 4 == pytest.approx(s.config.scale) and s.config.scale == pytest.approx(1.0)
+
+
+def test_save_read_roundtrip_and_parse(tmp_path):
+    s = _set()
+    md = lora_metadata(s.config, family="flux1", key_style="kohya", mixed_precision="bf16", extra={"ss_steps": 12})
+    path = save_lora_file(str(tmp_path / "a.safetensors"), lora_state_dict(s, "kohya"), md)
+    tensors, md2 = read_lora_file(path)
+    assert md2 == md and md2["ss_steps"] == "12" and md2["ss_network_dim"] == "4" and md2["ss_network_alpha"] == "2.0"
+    args = json.loads(md2["ss_network_args"])
+    assert args["targets"] == "attention" and args["fp32_accumulation"] is True
+    parsed = parse_lora_tensors(tensors, SHAPES)
+    assert file_rank(parsed) == 4
+    for path_, a in s.adapters().items():
+        assert torch.equal(parsed[path_].down, a.down) and torch.equal(parsed[path_].up, a.up)
+        assert parsed[path_].scale == pytest.approx(0.5)
+    assert os.listdir(tmp_path) == ["a.safetensors"]
+
+
+def test_never_overwrites_unless_asked(tmp_path):
+    s = _set()
+    path = str(tmp_path / "x.safetensors")
+    save_lora_file(path, lora_state_dict(s, "kohya"), {"k": "1"})
+    with pytest.raises(FileExistsError, match="exists: choose another name or enable overwrite"):
+        save_lora_file(path, lora_state_dict(s, "kohya"), {"k": "2"})
+    assert read_lora_file(path)[1] == {"k": "1"}
+    save_lora_file(path, lora_state_dict(s, "kohya"), {"k": "2"}, overwrite=True)
+    assert read_lora_file(path)[1] == {"k": "2"}
+
+
+def test_bad_metadata_writes_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"metadata values must be strings; got \{'ss_steps': 'int'\}"):
+        save_lora_file(str(tmp_path / "y.safetensors"), lora_state_dict(_set(), "kohya"), {"ss_steps": 3})
+    assert os.listdir(tmp_path) == []
+
+
+def test_corrupt_and_truncated_files(tmp_path):
+    good = save_lora_file(str(tmp_path / "g.safetensors"), lora_state_dict(_set(), "kohya"), {})
+    data = open(good, "rb").read()
+    trunc = tmp_path / "t.safetensors"
+    trunc.write_bytes(data[: len(data) // 2])
+    junk = tmp_path / "j.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    for bad in (trunc, junk):
+        with pytest.raises(ValueError, match=rf"cannot read LoRA file '{bad}'.*corrupt or truncated"):
+            read_lora_file(str(bad))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_lora_file(str(tmp_path / "missing.safetensors"))
+
+
+def test_parse_errors():
+    sd = lora_state_dict(_set(), "kohya")
+    with pytest.raises(ValueError, match=r"none of its 6 keys .* matches a linear layer of this model"):
+        parse_lora_tensors(sd, {"blocks.0.self_attn.q_proj": (16, 16)})
+    bad_rank = dict(sd)
+    bad_rank["lora_unet_single_blocks_0_linear2.lora_up.weight"] = torch.zeros(16, 3)
+    with pytest.raises(ValueError, match=r"rank mismatch at 'single_blocks.0.linear2': down \(4, 40\) vs up \(16, 3\)"):
+        parse_lora_tensors(bad_rank, SHAPES)
+    with pytest.raises(ValueError, match=r"'double_blocks.0.img_attn.qkv' is 96x16 in this model"):
+        parse_lora_tensors(sd, {**SHAPES, "double_blocks.0.img_attn.qkv": (16, 96)})
+    extra = {**sd, "lora_unet_other_layer.lora_up.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"1 keys do not match this model \(e.g. \['lora_unet_other_layer.lora_up.weight'\]\)"):
+        parse_lora_tensors(extra, SHAPES)
+
+
+def test_peft_names_and_missing_alpha_use_comfy_rule():
+    s = _set()
+    sd = {}
+    for path, a in s.adapters().items():
+        sd[f"diffusion_model.{path}.lora_A.weight"] = a.down.detach()
+        sd[f"diffusion_model.{path}.lora_B.weight"] = a.up.detach()
+    parsed = parse_lora_tensors(sd, SHAPES)
+    assert all(f.scale == 1.0 for f in parsed.values())  # no .alpha -> scale 1.0, as ComfyUI does

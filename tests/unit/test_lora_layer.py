@@ -1,0 +1,175 @@
+"""LoRA layer numerics: fp32 path under autocast, identity at init, delta survival, dropouts, LoRA+, config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.lora import PATHS, gain_table
+from training.lora import LoRAAdapter, LoRAConfig, LoRASet, lora_linear, lora_scale
+
+
+def _layer(n_in=64, n_out=96, rank=4, seed=0, **cfg):
+    g = torch.Generator().manual_seed(seed)
+    a = LoRAAdapter(n_in, n_out, LoRAConfig(rank=rank, alpha=float(rank), **cfg), init_generator=g)
+    with torch.no_grad():
+        a.up.copy_(torch.randn(n_out, rank, generator=g) * 0.05)
+    w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+    b = torch.randn(n_out, generator=g) * 0.1
+    x = torch.randn(3, 5, n_in, generator=g)
+    return a, x, w, b
+
+
+def _reference(a: LoRAAdapter, x, w, b):
+    dw = (a.up.double() @ a.down.double()) * a.scale
+    return F.linear(x.double(), w.double() + dw, b.double())
+
+
+def test_fp32_path_under_autocast_differs_from_bf16_and_is_closer_to_fp64():
+    a, x, w, b = _layer(n_in=256, n_out=256, rank=8)
+    # bf16-representable inputs: autocast's own rounding of x and W is then exact, so the reference is the truth
+    x, w, b = x.bfloat16().float(), w.bfloat16().float(), b.bfloat16().float()
+    ref = _reference(a, x, w, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fp32 = lora_linear(x, w, b, (a,))
+        a.fp32_accumulation = False
+        plain = lora_linear(x, w, b, (a,))
+    assert fp32.dtype == plain.dtype == torch.bfloat16
+    assert not torch.equal(fp32, plain), "fp32 accumulation is a no-op under autocast"
+    err_fp32 = (fp32.double() - ref).abs().mean().item()
+    err_plain = (plain.double() - ref).abs().mean().item()
+    assert err_fp32 < 0.8 * err_plain, (err_fp32, err_plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp32_accumulation", [True, False])
+def test_identity_at_init_is_bit_equal(dtype, fp32_accumulation):
+    g = torch.Generator().manual_seed(1)
+    a = LoRAAdapter(128, 384, LoRAConfig(rank=8, fp32_accumulation=fp32_accumulation), init_generator=g)
+    assert torch.count_nonzero(a.up) == 0 and torch.count_nonzero(a.down) > 0
+    x = torch.randn(33, 128, generator=g).to(dtype)
+    w = torch.randn(384, 128, generator=g).to(dtype)
+    b = torch.randn(384, generator=g).to(dtype)
+    assert torch.equal(a.forward_with_base(x, w, b), F.linear(x, w, b))
+
+
+def test_modified_up_is_used_and_grad_forward_leaves_identity_shortcut():
+    a, x, w, b = _layer()
+    assert not a.delta_is_zero()  # up was written in place by _layer
+    fresh = LoRAAdapter(64, 96, LoRAConfig(rank=4))
+    with torch.enable_grad():
+        out = fresh.forward_with_base(x.requires_grad_(True), w, b)
+        out.sum().backward()
+    assert fresh.up.grad is not None and fresh.up.grad.abs().sum() > 0, "training must reach the up factor at init"
+    assert not fresh.delta_is_zero()
+
+
+def test_fp32_path_gradients_match_fp64_reference():
+    a, x, w, b = _layer()
+    a.train()
+    x = x.requires_grad_(True)
+    lora_linear(x, w, b, (a,)).pow(2).sum().backward()
+    a64 = LoRAAdapter(64, 96, LoRAConfig(rank=4)).double()
+    with torch.no_grad():
+        a64.down.copy_(a.down)
+        a64.up.copy_(a.up)
+    x64 = x.detach().double().requires_grad_(True)
+    (F.linear(x64, w.double(), b.double()) + a.scale * F.linear(F.linear(x64, a64.down), a64.up)).pow(2).sum().backward()
+    torch.testing.assert_close(a.up.grad.double(), a64.up.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.down.grad.double(), a64.down.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gains():
+    return gain_table(width=3072, tokens=256, rank=16)
+
+
+@pytest.mark.parametrize("rho", [1e-3, 3e-3, 1e-2])
+def test_delta_survival_gain_of_fp32_path(gains, rho):
+    assert gains[rho]["fp32_accumulation"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_delta_survival_other_paths_lose_half_at_1e_3(gains):
+    for path in PATHS[:3]:
+        assert 0.4 < gains[1e-3][path] < 0.65, (path, gains[1e-3])
+        assert 0.85 < gains[3e-3][path] < 0.97, (path, gains[3e-3])
+        assert gains[1e-2][path] > 0.97, (path, gains[1e-2])
+
+
+def test_dropouts_only_in_train_mode_and_seeded():
+    cfg = dict(dropout=0.5, rank_dropout=0.3)
+    a, x, w, b = _layer(seed=3, **cfg)
+    plain, *_ = _layer(seed=3)
+    with torch.no_grad():
+        assert torch.equal(a.forward_with_base(x, w, b), plain.forward_with_base(x, w, b))  # eval: no dropout
+        a.train()
+        y1 = a.forward_with_base(x, w, b)
+        y2 = a.forward_with_base(x, w, b)
+        assert not torch.equal(y1, y2)
+        a2, *_ = _layer(seed=3, **cfg)
+        a2.train()
+        assert torch.equal(a2.forward_with_base(x, w, b), y1), "dropout masks must come from the config seed"
+
+
+def test_module_dropout_skips_whole_delta_sometimes():
+    a, x, w, b = _layer(module_dropout=0.5)
+    base = lora_linear(x, w, b, ())
+    a.train()
+    with torch.no_grad():
+        outs = [a.forward_with_base(x, w, b) for _ in range(16)]
+    skipped = sum(torch.equal(o, base) for o in outs)
+    assert 0 < skipped < 16
+
+
+def test_scale_rslora_and_multiplier():
+    assert lora_scale(16, 4) == 4.0 and lora_scale(16, 4, rslora=True) == 8.0
+    a, x, w, b = _layer()
+    full = a.forward_with_base(x, w, b).double() - F.linear(x, w, b).double()
+    a.multiplier = 0.5
+    half = a.forward_with_base(x, w, b).double() - F.linear(x, w, b).double()
+    torch.testing.assert_close(half, full * 0.5, rtol=1e-4, atol=1e-6)
+
+
+def test_param_groups_loraplus_and_bf16_storage():
+    s = LoRASet(LoRAConfig(rank=2, param_dtype="bf16"), {"a.q": (8, 8), "b.k": (8, 16)})
+    groups = s.param_groups(lr=1e-4, loraplus_ratio=16)
+    assert [g["name"] for g in groups] == ["lora_down", "lora_up"]
+    assert groups[0]["lr"] == 1e-4 and groups[1]["lr"] == pytest.approx(1.6e-3)
+    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in s.parameters()}
+    assert all(p.dtype == torch.bfloat16 for p in s.parameters())
+    assert LoRASet(LoRAConfig(rank=2), {"a.q": (8, 8)}).adapters()["a.q"].down.dtype == torch.float32
+
+
+def test_init_is_deterministic_in_seed():
+    shapes = {"x.a": (16, 16), "x.b": (16, 32)}
+    s1, s2 = LoRASet(LoRAConfig(rank=2, seed=7), shapes), LoRASet(LoRAConfig(rank=2, seed=7), shapes)
+    s3 = LoRASet(LoRAConfig(rank=2, seed=8), shapes)
+    assert torch.equal(s1.adapters()["x.b"].down, s2.adapters()["x.b"].down)
+    assert not torch.equal(s1.adapters()["x.b"].down, s3.adapters()["x.b"].down)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"rank": 0}, r"rank=0 is invalid: use an integer in \[1, 1024\]"),
+    ({"rank": -3}, r"rank=-3 is invalid"),
+    ({"alpha": 0.0}, r"alpha=0.0 is invalid: use a positive number"),
+    ({"alpha": -1.0}, r"alpha=-1.0 is invalid"),
+    ({"dropout": 1.0}, r"dropout=1.0 is invalid: use a probability in \[0, 1\)"),
+    ({"param_dtype": "fp8"}, r"param_dtype='fp8' is unknown: use one of \['bf16', 'fp32'\]"),
+    ({"targets": "everything"}, r"targets='everything' is unknown"),
+    ({"include": "("}, r"include regex '\(' is invalid"),
+    ({"blocks": "3-1"}, r"range '3-1' is empty"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LoRAConfig(**kwargs).validate()
+
+
+def test_rank_larger_than_layer_width_is_rejected():
+    with pytest.raises(ValueError, match=r"rank=32 exceeds the width of 'blocks.0.q' \(16x64\): use rank <= 16"):
+        LoRASet(LoRAConfig(rank=32), {"blocks.0.q": (64, 16)})
+
+
+def test_empty_target_set_is_rejected():
+    with pytest.raises(ValueError, match="no target modules"):
+        LoRASet(LoRAConfig(), {})

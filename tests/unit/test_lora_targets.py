@@ -1,0 +1,87 @@
+"""Target selection: presets per family, include/exclude, block filters, dry run, errors."""
+from __future__ import annotations
+
+import pytest
+
+from training.targets import block_of, dry_run, parse_blocks, preset_family, preset_names, select_targets
+
+H = 64
+FLUX = {
+    "img_in": (16, H), "time_in.in_layer": (256, H), "final_layer.linear": (H, 64),
+    **{f"double_blocks.{i}.{s}_attn.qkv": (H, 3 * H) for i in range(2) for s in ("img", "txt")},
+    **{f"double_blocks.{i}.{s}_attn.proj": (H, H) for i in range(2) for s in ("img", "txt")},
+    **{f"double_blocks.{i}.{s}_mlp.{j}": (H, H) for i in range(2) for s in ("img", "txt") for j in (0, 2)},
+    **{f"double_blocks.{i}.{s}_mod.lin": (H, 6 * H) for i in range(2) for s in ("img", "txt")},
+    **{f"single_blocks.{i}.linear1": (H, 7 * H) for i in range(3)},
+    **{f"single_blocks.{i}.linear2": (5 * H, H) for i in range(3)},
+    **{f"single_blocks.{i}.modulation.lin": (H, 3 * H) for i in range(3)},
+}
+COSMOS = {
+    "t_embedder.1.linear_1": (H, H), "x_embedder.proj.1": (68, H),
+    **{f"blocks.{i}.{a}.{p}": (H, H) for i in range(3) for a in ("self_attn", "cross_attn")
+       for p in ("q_proj", "k_proj", "v_proj", "output_proj")},
+    **{f"blocks.{i}.mlp.layer{j}": (H, H) for i in range(3) for j in (1, 2)},
+    **{f"blocks.{i}.adaln_modulation_mlp.1": (H, 3 * H) for i in range(3)},
+}
+
+
+def test_flux_presets():
+    attn = select_targets(FLUX, "flux1", "attention")
+    assert set(attn) == {k for k in FLUX if "_attn." in k or ".linear1" in k or ".linear2" in k}
+    assert len(attn) == 8 + 6
+    mlp = select_targets(FLUX, "flux2", "attention_mlp")
+    assert set(mlp) - set(attn) == {k for k in FLUX if "_mlp." in k}
+    every = select_targets(FLUX, "chroma", "all")
+    assert set(every) == {k for k in FLUX if k.startswith(("double_blocks", "single_blocks"))}
+
+
+def test_cosmos_presets():
+    attn = select_targets(COSMOS, "cosmos_predict2", "attention")
+    assert len(attn) == 3 * 8 and all("_attn." in k for k in attn)
+    assert len(select_targets(COSMOS, "cosmos_predict2", "self_attention")) == 12
+    assert set(select_targets(COSMOS, "anima", "attention_mlp")) == set(attn) | {k for k in COSMOS if ".mlp." in k}
+
+
+def test_include_exclude_and_blocks():
+    sel = select_targets(FLUX, "flux1", "attention", include=r"img_mlp\.0$", exclude=r"txt_attn")
+    assert "double_blocks.1.img_mlp.0" in sel and not any("txt_attn" in k for k in sel)
+    only_inc = select_targets(FLUX, "flux1", "none", include=r"^final_layer")
+    assert list(only_inc) == ["final_layer.linear"] and only_inc["final_layer.linear"] == (H, 64)
+    blk = select_targets(FLUX, "flux1", "attention", blocks="double_blocks:1, single_blocks:0-1")
+    assert set(blk) == {"double_blocks.1.img_attn.qkv", "double_blocks.1.img_attn.proj", "double_blocks.1.txt_attn.qkv",
+                        "double_blocks.1.txt_attn.proj", "single_blocks.0.linear1", "single_blocks.0.linear2",
+                        "single_blocks.1.linear1", "single_blocks.1.linear2"}
+    any_group = select_targets(COSMOS, "cosmos_predict2", "attention", blocks="2")
+    assert len(any_group) == 8 and all(k.startswith("blocks.2.") for k in any_group)
+
+
+def test_block_parsing():
+    assert block_of("double_blocks.12.img_attn.qkv") == ("double_blocks", 12)
+    assert block_of("blocks.3.mlp.layer1") == ("blocks", 3)
+    assert block_of("final_layer.linear") is None
+    assert [(r.group, r.start, r.stop) for r in parse_blocks("0-3; single_blocks:7")] == [(None, 0, 3), ("single_blocks", 7, 7)]
+    with pytest.raises(ValueError, match=r"blocks filter item 'foo:1' is invalid"):
+        parse_blocks("foo:1")
+
+
+def test_dry_run_lists_shapes():
+    infos = dry_run(FLUX, "flux1", "attention", blocks="single_blocks:2")
+    assert [i.describe() for i in infos] == ["single_blocks.2.linear1  (64 -> 448)", "single_blocks.2.linear2  (320 -> 64)"]
+
+
+def test_no_match_error_lists_available_modules():
+    with pytest.raises(ValueError) as e:
+        select_targets(FLUX, "flux1", "attention", include="", exclude=".", blocks="")
+    msg = str(e.value)
+    assert "no module matches targets='attention'" in msg and "exclude='.'" in msg
+    assert f"{len(FLUX)} linear layers" in msg
+    assert "double_blocks.0.img_attn.proj" in msg
+
+
+def test_preset_not_in_family_and_unknown_family():
+    with pytest.raises(ValueError, match=r"targets='self_attention' is not a preset of model family 'flux1'"):
+        select_targets(FLUX, "flux1", "self_attention")
+    assert preset_family("sdxl") == "generic" and preset_family("flux2") == "flux"
+    generic = select_targets({"layers.0.attn.to_q": (8, 8), "layers.0.ff.net": (8, 8)}, "sdxl", "attention")
+    assert list(generic) == ["layers.0.attn.to_q"]
+    assert preset_names()[0] == "attention"
