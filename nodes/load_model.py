@@ -91,8 +91,12 @@ class PrecisionLoadDiffusionModel(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, model_name: str, weight_dtype: str) -> bool | str:
+        # ComfyUI 0.3.75 does not check V3 combo values against their options: do it here.
         if weight_dtype not in WEIGHT_DTYPES:
             return f"{NODE}: weight_dtype {weight_dtype!r} unknown; choose one of {', '.join(WEIGHT_DTYPES)}"
+        if model_name not in folder_paths.get_filename_list("diffusion_models"):
+            return (f"{NODE}: model_name {model_name!r} is not in models/diffusion_models; "
+                    "put the file there and refresh the node list")
         return True
 
     @classmethod

@@ -34,3 +34,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    """One real ComfyUI server (this pack + tiny demo models) for the whole session (e2e and browser)."""
+    from server_harness import ComfyServer
+
+    base = str(tmp_path_factory.mktemp("comfy_server_base"))
+    server = ComfyServer.start(base)
+    try:
+        errors = server.pack_import_errors()
+        if errors:
+            pytest.fail("the pack failed to import in ComfyUI:\n" + "\n".join(errors))
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def server(comfy_server):
+    """The session server; fails the test if the pack (or a module of it) reported an import failure."""
+    errors = comfy_server.pack_import_errors()
+    if errors:
+        pytest.fail("the pack failed to import in ComfyUI:\n" + "\n".join(errors))
+    return comfy_server

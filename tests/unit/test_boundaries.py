@@ -1,0 +1,60 @@
+"""The pure core never imports ComfyUI, and the package imports without ComfyUI present."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMFY_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folder_paths", "server",
+                 "execution", "nodes", "node_helpers", "latent_preview")
+
+PROBE = r"""
+import importlib, pkgutil, sys
+sys.path.insert(0, {root!r})
+for pkg in ("attention", "training"):
+    mod = importlib.import_module(pkg)
+    for info in pkgutil.walk_packages(mod.__path__, pkg + "."):
+        importlib.import_module(info.name)
+bad = sorted(m for m in sys.modules if m.split(".")[0] in {comfy!r})
+print("LOADED:" + ",".join(sorted(m for m in sys.modules if m.startswith(("attention", "training")))))
+print("COMFY:" + ",".join(bad))
+"""
+
+
+def _run(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_attention_and_training_import_no_comfyui_module():
+    out = _run(PROBE.format(root=ROOT, comfy=set(COMFY_MODULES)))
+    loaded = out.split("LOADED:")[1].splitlines()[0].split(",")
+    assert "attention" in loaded and "training" in loaded
+    assert out.split("COMFY:")[1].strip() == ""
+
+
+def test_pure_sources_have_no_comfyui_import_statement():
+    import re
+
+    pattern = re.compile(r"^\s*(import|from)\s+(" + "|".join(COMFY_MODULES) + r")\b", re.M)
+    offenders = []
+    for pkg in ("attention", "training"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    if pattern.search(open(path).read()):
+                        offenders.append(os.path.relpath(path, ROOT))
+    assert offenders == []
+
+
+def test_package_root_imports_without_comfyui():
+    code = (f"import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('pl_pack', {os.path.join(ROOT, '__init__.py')!r},"
+            f" submodule_search_locations=[{ROOT!r}])\n"
+            f"m = importlib.util.module_from_spec(spec); sys.modules['pl_pack'] = m; spec.loader.exec_module(m)\n"
+            f"print(m.WEB_DIRECTORY, callable(m.comfy_entrypoint), 'comfy' in sys.modules)")
+    assert _run(code).split() == ["./web", "True", "False"]
