@@ -1,0 +1,117 @@
+// LoRA metadata panel on PrecisionLoadLoRA: rank, alpha, steps, softmax scale, backend and base model of
+// the chosen file, from the read-only GET /precision_lora/lora/metadata route.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { errorText, hasAttentionSettings, metadataUrl, summaryRows } from "./lib/lora_meta.js";
+
+const NODE_TYPE = "PrecisionLoadLoRA";
+const LORA_WIDGET = "lora_name";
+const PANEL_WIDGET = "precision_lora_info";
+const LOG = "[Precision LoRA]";
+
+function renderRows(panel, response) {
+  const table = document.createElement("table");
+  Object.assign(table.style, { borderCollapse: "collapse", width: "100%" });
+  for (const [label, value] of summaryRows(response)) {
+    const tr = document.createElement("tr");
+    const th = document.createElement("td");
+    const td = document.createElement("td");
+    th.textContent = label;
+    td.textContent = value;
+    td.dataset.field = label;
+    Object.assign(th.style, { opacity: "0.7", paddingRight: "8px", whiteSpace: "nowrap" });
+    Object.assign(td.style, { overflowWrap: "anywhere" });
+    tr.append(th, td);
+    table.append(tr);
+  }
+  const note = document.createElement("div");
+  note.style.opacity = "0.7";
+  note.textContent = hasAttentionSettings(response)
+    ? "recorded attention settings are applied"
+    : "no attention settings recorded: the model's attention is left as it is";
+  panel.replaceChildren(table, note);
+}
+
+async function refresh(node, view) {
+  const widget = node.widgets?.find((w) => w.name === LORA_WIDGET);
+  const name = widget?.value;
+  const ticket = ++view.ticket;
+  if (typeof name !== "string" || !name) {
+    view.panel.textContent = "choose a LoRA file";
+    view.panel.dataset.state = "empty";
+    return;
+  }
+  view.panel.dataset.state = "loading";
+  view.panel.dataset.name = name;
+  try {
+    const resp = await api.fetchApi(metadataUrl(name));
+    let body = null;
+    try {
+      body = await resp.json();
+    } catch {
+      body = null;
+    }
+    if (ticket !== view.ticket) return; // a newer choice is being fetched
+    if (!resp.ok) {
+      view.panel.textContent = errorText(resp.status, body);
+      view.panel.dataset.state = "error";
+      return;
+    }
+    renderRows(view.panel, body);
+    view.panel.dataset.state = "ready";
+  } catch (e) {
+    if (ticket !== view.ticket) return;
+    view.panel.textContent = `metadata unavailable: ${e?.message ?? e}`;
+    view.panel.dataset.state = "error";
+    console.warn(`${LOG} LoRA metadata request failed`, e);
+  }
+  node.setDirtyCanvas?.(true, false);
+}
+
+function attachPanel(node) {
+  if (node.widgets?.some((w) => w.name === PANEL_WIDGET)) return;
+  const panel = document.createElement("div");
+  panel.className = "precision-lora-info";
+  Object.assign(panel.style, { fontSize: "11px", fontFamily: "sans-serif", color: "var(--input-text, #ddd)",
+    overflow: "hidden" });
+  const widget = node.addDOMWidget(PANEL_WIDGET, "precision_lora_info", panel, {
+    serialize: false,
+    hideOnZoom: false,
+    getMinHeight: () => 120,
+    getMaxHeight: () => 150,
+  });
+  widget.serialize = false;
+  const view = { panel, ticket: 0 };
+  node.precisionLoraInfo = view;
+  const combo = node.widgets?.find((w) => w.name === LORA_WIDGET);
+  if (combo) {
+    const origCallback = combo.callback;
+    combo.callback = function () {
+      const r = origCallback?.apply(this, arguments);
+      refresh(node, view);
+      return r;
+    };
+  } else {
+    console.warn(`${LOG} ${NODE_TYPE} has no '${LORA_WIDGET}' widget; metadata panel disabled`);
+  }
+  refresh(node, view);
+}
+
+app.registerExtension({
+  name: "precision_lora.lora_info",
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name !== NODE_TYPE) return;
+    const origCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = origCreated?.apply(this, arguments);
+      attachPanel(this);
+      return r;
+    };
+    const origConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const r = origConfigure?.apply(this, arguments);
+      if (this.precisionLoraInfo) refresh(this, this.precisionLoraInfo); // saved widget values are in now
+      return r;
+    };
+  },
+});

@@ -1,0 +1,149 @@
+// Resolved softmax scale on PrecisionPatchAttention for the head_dim of the connected model.
+// The head_dim comes from GET /precision_lora/model/info for the PrecisionLoadDiffusionModel found
+// upstream of the node's `model` input; after a run, the head_dim the node reports (if any) wins.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { scaleText } from "./lib/scale.js";
+
+const NODE_TYPE = "PrecisionPatchAttention";
+const LOADER_TYPE = "PrecisionLoadDiffusionModel";
+const MODEL_INFO_ROUTE = "/precision_lora/model/info";
+const TEXT_WIDGET = "precision_resolved_scale";
+const LOG = "[Precision LoRA]";
+const MAX_HOPS = 32;
+
+const infoCache = new Map(); // model file name -> Promise<{head_dim, family} | {error}>
+
+function widgetValue(node, name) {
+  return node.widgets?.find((w) => w.name === name)?.value;
+}
+
+/** The loader that feeds `node`'s MODEL input, following MODEL -> MODEL nodes upstream. */
+export function upstreamLoader(node) {
+  let current = node;
+  for (let hop = 0; hop < MAX_HOPS && current; hop++) {
+    const input = current.inputs?.find((i) => i.type === "MODEL" && i.link !== null && i.link !== undefined);
+    if (!input) return null;
+    const link = current.graph?.links?.get ? current.graph.links.get(input.link) : current.graph?.links?.[input.link];
+    if (!link) return null;
+    const origin = current.graph.getNodeById(link.origin_id);
+    if (!origin) return null;
+    if (origin.comfyClass === LOADER_TYPE || origin.type === LOADER_TYPE) return origin;
+    current = origin;
+  }
+  return null;
+}
+
+function fetchInfo(name) {
+  if (!infoCache.has(name)) {
+    const p = api.fetchApi(`${MODEL_INFO_ROUTE}?name=${encodeURIComponent(name)}`)
+      .then(async (r) => (r.ok ? r.json() : { error: (await r.json().catch(() => ({}))).error || `HTTP ${r.status}` }))
+      .catch((e) => ({ error: String(e?.message ?? e) }));
+    infoCache.set(name, p);
+    // Failed look-ups are retried next time (the file may appear after a refresh).
+    p.then((v) => v?.error && infoCache.delete(name));
+  }
+  return infoCache.get(name);
+}
+
+async function update(node) {
+  const view = node.precisionScale;
+  if (!view) return;
+  const ticket = ++view.ticket;
+  const mode = widgetValue(node, "scale_mode");
+  const value = widgetValue(node, "scale_value");
+  let headDim = view.reportedHeadDim ?? null;
+  let source = headDim !== null ? "from the last run" : "";
+  if (headDim === null) {
+    const loader = upstreamLoader(node);
+    const name = loader && widgetValue(loader, "model_name");
+    if (typeof name === "string" && name) {
+      const info = await fetchInfo(name);
+      if (ticket !== view.ticket) return;
+      if (info && Number.isInteger(info.head_dim)) {
+        headDim = info.head_dim;
+        source = `${info.family ?? "model"} ${name}`;
+      } else if (info?.error) {
+        source = info.error;
+      }
+    }
+  }
+  view.el.textContent = scaleText(mode, value, headDim) + (source ? `\n${source}` : "");
+  view.el.dataset.headDim = headDim === null ? "" : String(headDim);
+  node.setDirtyCanvas?.(true, false);
+}
+
+function attach(node) {
+  if (node.precisionScale) return;
+  const el = document.createElement("div");
+  el.className = "precision-lora-scale";
+  Object.assign(el.style, { fontSize: "11px", fontFamily: "sans-serif", whiteSpace: "pre-wrap",
+    color: "var(--input-text, #ddd)", opacity: "0.85", overflow: "hidden" });
+  const widget = node.addDOMWidget(TEXT_WIDGET, "precision_resolved_scale", el, {
+    serialize: false,
+    hideOnZoom: false,
+    getMinHeight: () => 36,
+    getMaxHeight: () => 48,
+  });
+  widget.serialize = false;
+  node.precisionScale = { el, ticket: 0, reportedHeadDim: null };
+  for (const name of ["scale_mode", "scale_value"]) {
+    const w = node.widgets?.find((x) => x.name === name);
+    if (!w) {
+      console.warn(`${LOG} ${NODE_TYPE} has no '${name}' widget; resolved scale shows defaults`);
+      continue;
+    }
+    const orig = w.callback;
+    w.callback = function () {
+      const r = orig?.apply(this, arguments);
+      update(node);
+      return r;
+    };
+  }
+  update(node);
+}
+
+app.registerExtension({
+  name: "precision_lora.scale_display",
+  setup() {
+    // The loader's model choice changes the head_dim of every attention node downstream of it.
+    api.addEventListener("graphChanged", () => {
+      for (const n of app.graph?.nodes ?? []) if (n.precisionScale) update(n);
+    });
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name !== NODE_TYPE) return;
+    const origCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = origCreated?.apply(this, arguments);
+      attach(this);
+      return r;
+    };
+    const origConnections = nodeType.prototype.onConnectionsChange;
+    nodeType.prototype.onConnectionsChange = function () {
+      const r = origConnections?.apply(this, arguments);
+      if (this.precisionScale) {
+        this.precisionScale.reportedHeadDim = null;
+        update(this);
+      }
+      return r;
+    };
+    const origConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const r = origConfigure?.apply(this, arguments);
+      // Links are restored after all nodes are configured: look upstream on the next frame.
+      requestAnimationFrame(() => update(this));
+      return r;
+    };
+    const origExecuted = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (output) {
+      const r = origExecuted?.apply(this, arguments);
+      const reported = Number(output?.head_dim?.[0] ?? output?.head_dim);
+      if (this.precisionScale && Number.isInteger(reported) && reported > 0) {
+        this.precisionScale.reportedHeadDim = reported;
+        update(this);
+      }
+      return r;
+    };
+  },
+});

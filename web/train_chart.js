@@ -1,0 +1,217 @@
+// Live loss chart, step / lr line and Stop / Checkpoint-now buttons on PrecisionTrainLoRA.
+// Fed by the `precision_lora.train_step` / `train_done` websocket events; after a page reload it replays
+// GET /precision_lora/train/history so the chart of a running job comes back.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import {
+  addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText,
+} from "./lib/series.js";
+
+const NODE_TYPE = "PrecisionTrainLoRA";
+const WIDGET_NAME = "precision_loss_chart";
+const CONTROL_ROUTE = "/precision_lora/train/control";
+const HISTORY_ROUTE = "/precision_lora/train/history";
+const MAX_DRAWN_POINTS = 400;
+const SMOOTHING = 0.9;
+const CHART_HEIGHT = 120;
+const LOG = "[Precision LoRA]";
+
+// Series by prompt node id (a string). Kept outside the nodes so events that arrive before a node exists
+// (page reload, graph still loading) are not lost.
+const seriesByNode = new Map();
+const viewsByNode = new Map();
+
+function seriesFor(nodeId) {
+  const key = String(nodeId);
+  let s = seriesByNode.get(key);
+  if (!s) {
+    s = createSeries();
+    seriesByNode.set(key, s);
+  }
+  return s;
+}
+
+function drawChart(canvas, series) {
+  const ratio = window.devicePixelRatio || 1;
+  const cssWidth = Math.max(120, canvas.clientWidth || 300);
+  const cssHeight = CHART_HEIGHT;
+  if (canvas.width !== Math.round(cssWidth * ratio) || canvas.height !== Math.round(cssHeight * ratio)) {
+    canvas.width = Math.round(cssWidth * ratio);
+    canvas.height = Math.round(cssHeight * ratio);
+  }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  ctx.clearRect(0, 0, cssWidth, cssHeight);
+  ctx.fillStyle = "rgba(0,0,0,0.25)";
+  ctx.fillRect(0, 0, cssWidth, cssHeight);
+  const raw = downsample(series.points, MAX_DRAWN_POINTS);
+  const smoothed = downsample(smooth(series.points, SMOOTHING), MAX_DRAWN_POINTS);
+  const g = layout(raw, smoothed, { width: cssWidth, height: cssHeight, pad: 8 });
+  canvas.dataset.points = String(series.points.length);
+  if (!g.raw.length) return;
+  const line = (pts, color, width) => {
+    ctx.beginPath();
+    pts.forEach((p, i) => (i ? ctx.lineTo(p.x, p.y) : ctx.moveTo(p.x, p.y)));
+    ctx.strokeStyle = color;
+    ctx.lineWidth = width;
+    ctx.stroke();
+  };
+  line(g.raw, "rgba(120,170,255,0.45)", 1);
+  line(g.smoothed, "rgba(255,190,80,1)", 2);
+  ctx.fillStyle = "rgba(255,255,255,0.75)";
+  ctx.font = "10px sans-serif";
+  ctx.fillText(g.yMax.toPrecision(3), 10, 16);
+  ctx.fillText(g.yMin.toPrecision(3), 10, cssHeight - 10);
+}
+
+function render(nodeId) {
+  const view = viewsByNode.get(String(nodeId));
+  if (!view || view.pending) return;
+  view.pending = true;
+  requestAnimationFrame(() => {
+    view.pending = false;
+    const series = seriesFor(nodeId);
+    drawChart(view.canvas, series);
+    view.status.textContent = statusText(series);
+    view.root.dataset.done = String(series.done);
+    if (series.checkpoint) view.message.textContent = `checkpoint: ${series.checkpoint}`;
+    view.node.setDirtyCanvas?.(true, false);
+  });
+}
+
+async function sendControl(node, action, view) {
+  view.message.textContent = `${action}…`;
+  try {
+    const resp = await api.fetchApi(CONTROL_ROUTE, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ action, node_id: String(node.id) }),
+    });
+    let body = {};
+    try {
+      body = await resp.json();
+    } catch {
+      body = {};
+    }
+    if (resp.ok && body.ok) {
+      const when = body.step !== undefined && body.step !== null ? ` at step ${body.step}` : "";
+      view.message.textContent = action === "stop" ? `stop requested${when}` : `checkpoint requested${when}`;
+    } else {
+      view.message.textContent = body.error || `${action} failed (HTTP ${resp.status})`;
+    }
+  } catch (e) {
+    view.message.textContent = `${action} failed: ${e?.message ?? e}`;
+  }
+}
+
+function button(label, action, title) {
+  const b = document.createElement("button");
+  b.textContent = label;
+  b.title = title;
+  b.dataset.precisionAction = action;
+  Object.assign(b.style, {
+    flex: "1", padding: "2px 6px", cursor: "pointer", fontSize: "12px",
+    background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)",
+    border: "1px solid var(--border-color, #555)", borderRadius: "4px",
+  });
+  return b;
+}
+
+function attachChart(node) {
+  if (node.widgets?.some((w) => w.name === WIDGET_NAME)) return;
+  const root = document.createElement("div");
+  root.className = "precision-lora-train";
+  root.dataset.nodeId = String(node.id);
+  Object.assign(root.style, { display: "flex", flexDirection: "column", gap: "4px", fontSize: "11px",
+    color: "var(--input-text, #ddd)", fontFamily: "sans-serif" });
+  const canvas = document.createElement("canvas");
+  canvas.dataset.precisionChart = "loss";
+  canvas.dataset.points = "0";
+  Object.assign(canvas.style, { width: "100%", height: `${CHART_HEIGHT}px`, borderRadius: "4px" });
+  const status = document.createElement("div");
+  status.dataset.precisionStatus = "";
+  const buttons = document.createElement("div");
+  Object.assign(buttons.style, { display: "flex", gap: "6px" });
+  const stop = button("Stop", "stop", "Stop after the current step (the LoRA so far is kept)");
+  const ckpt = button("Checkpoint now", "checkpoint", "Write a checkpoint after the current step");
+  buttons.append(stop, ckpt);
+  const message = document.createElement("div");
+  message.dataset.precisionMessage = "";
+  Object.assign(message.style, { opacity: "0.8", overflowWrap: "anywhere" });
+  root.append(canvas, status, buttons, message);
+
+  const view = { node, root, canvas, status, message, pending: false };
+  stop.addEventListener("click", () => sendControl(node, "stop", view));
+  ckpt.addEventListener("click", () => sendControl(node, "checkpoint", view));
+
+  const widget = node.addDOMWidget(WIDGET_NAME, "precision_loss_chart", root, {
+    serialize: false,
+    hideOnZoom: false,
+    getMinHeight: () => CHART_HEIGHT + 70,
+    getMaxHeight: () => CHART_HEIGHT + 90,
+  });
+  widget.serialize = false; // keeps widgets_values identical to the schema's widgets
+  viewsByNode.set(String(node.id), view);
+  const origRemoved = node.onRemoved;
+  node.onRemoved = function () {
+    if (viewsByNode.get(String(this.id)) === view) viewsByNode.delete(String(this.id));
+    return origRemoved?.apply(this, arguments);
+  };
+  render(node.id);
+}
+
+async function replayHistory() {
+  try {
+    const resp = await api.fetchApi(HISTORY_ROUTE);
+    if (!resp.ok) return;
+    const h = await resp.json();
+    if (!h || h.node_id === null || h.node_id === undefined || !Array.isArray(h.points) || !h.points.length) return;
+    const series = seriesFor(h.node_id);
+    addHistory(series, h.points.map((p) => ({ ...p, prompt_id: h.prompt_id })));
+    if (!h.running && !series.done) markDone(series, { stopped: false, checkpoint: series.checkpoint });
+    render(h.node_id);
+  } catch (e) {
+    console.warn(`${LOG} could not replay the training history`, e);
+  }
+}
+
+app.registerExtension({
+  name: "precision_lora.train_chart",
+  setup() {
+    api.addEventListener("precision_lora.train_step", ({ detail }) => {
+      if (!detail || detail.node === undefined || detail.node === null) return;
+      if (addEvent(seriesFor(detail.node), detail)) render(detail.node);
+    });
+    api.addEventListener("precision_lora.train_done", ({ detail }) => {
+      if (!detail || detail.node === undefined || detail.node === null) return;
+      markDone(seriesFor(detail.node), detail);
+      render(detail.node);
+    });
+    // A reload during a run: reconnecting the socket is when the history matters.
+    api.addEventListener("reconnected", () => replayHistory());
+    replayHistory();
+  },
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name !== NODE_TYPE) return;
+    const origCreated = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const r = origCreated?.apply(this, arguments);
+      attachChart(this);
+      return r;
+    };
+    const origConfigure = nodeType.prototype.onConfigure;
+    nodeType.prototype.onConfigure = function () {
+      const r = origConfigure?.apply(this, arguments);
+      // Loading a workflow gives the node its saved id after creation: re-key the view.
+      for (const [key, view] of viewsByNode) {
+        if (view.node === this && key !== String(this.id)) {
+          viewsByNode.delete(key);
+          viewsByNode.set(String(this.id), view);
+          view.root.dataset.nodeId = String(this.id);
+        }
+      }
+      render(this.id);
+      return r;
+    };
+  },
+});
