@@ -3,7 +3,7 @@
 Tiled online softmax over key tiles: memory O(B·H·Lq × tile). In each tile the running row max r is
 updated; when two or more logits of the row lie within ``tau`` of r (a tie or near-tie, which would
 make bf16(P̄) == 1 twice), the offset becomes m = r + Δ with a row-dependent
-Δ = clamp((β−1)·r if r > 0 else −r, 0.01, 60), so no P̄ = exp(S − m) reaches 1. Softmax is
+Δ ≈ (β−1)·r if r > 0 else −r, kept in [0.01, 60] (see ``row_shift``), so no P̄ = exp(S − m) reaches 1. Softmax is
 shift-invariant, so in exact arithmetic the output is unchanged; the clamp keeps ℓ > 0 (no NaN for
 row maxima up to hundreds) and handles r == 0 and tiny r.
 
@@ -56,10 +56,21 @@ def _tile_size(rows: int, keys: int, tile: int) -> int:
     return max(64, min(keys, TILE_BUDGET_ELEMENTS // max(rows, 1)))
 
 
+def row_shift(r: torch.Tensor, beta: float) -> torch.Tensor:
+    """Δ for row maxima ``r``: (β−1)·r for r > 0, −r for r <= 0 (the paper's m = β·r or m = 0), kept in
+    [0.01, 60] by a *folded* clamp: below 0.01 it becomes 0.01 + raw, above 60 it becomes
+    60 − frac(raw). A hard clamp would give many rows the same Δ, hence the same relative bf16 rounding
+    of their tied P̄ = exp(−Δ), which brings the bias back (PRECISION.md §3); folding keeps Δ
+    row-dependent while bounding it (so ℓ >= e^-60 > 0 in fp32: no NaN)."""
+    raw = torch.where(r > 0, (beta - 1.0) * r, -r)
+    low = raw + SHIFT_MIN
+    high = SHIFT_MAX - torch.frac(raw)
+    return torch.where(raw < SHIFT_MIN, low, torch.where(raw > SHIFT_MAX, high, raw))
+
+
 def _row_offset(r: torch.Tensor, tied: torch.Tensor, beta: float) -> torch.Tensor:
-    """m for each row: r, or r + Δ on tied rows (Δ row-dependent, clamped to [0.01, 60])."""
-    delta = torch.where(r > 0, (beta - 1.0) * r, -r).clamp_(SHIFT_MIN, SHIFT_MAX)
-    return torch.where(tied, r + delta, r)
+    """m for each row: r, or r + Δ on tied rows."""
+    return torch.where(tied, r + row_shift(r, beta), r)
 
 
 def _logits(q: torch.Tensor, k_tile: torch.Tensor, softclamp: float, mask_tile: torch.Tensor | None) -> torch.Tensor:
