@@ -10,6 +10,7 @@ the fp32 LoRA parameters.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +25,7 @@ from .model_info import describe_model
 log = logging.getLogger(__name__)
 
 ATTACHMENT_KEY = "precision_lora"
+LOADED_KEY = "precision_lora_loaded"  # frozen LoRASets added by PrecisionLoadLoRA (fp32 mode)
 _PREFIX = "diffusion_model."
 
 
@@ -78,7 +80,7 @@ def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]]) -> LoR
         return LoRASet(cfg, shapes)
 
 
-def install(model, lora_set: LoRASet):
+def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KEY):
     """Clone ``model`` and patch every adapter of ``lora_set`` in (stacking on adapters already there)."""
     patched = model.clone()
     dm = model.model.diffusion_model
@@ -90,7 +92,8 @@ def install(model, lora_set: LoRASet):
         previous = patched.object_patches.get(key)
         earlier = previous.adapters if isinstance(previous, LoRAForward) else ()
         patched.add_object_patch(key, LoRAForward(modules[path], earlier + (adapter,)))
-    patched.set_attachments(ATTACHMENT_KEY, lora_set)
+    if attachment_key is not None:
+        patched.set_attachments(attachment_key, lora_set)
     return patched
 
 
@@ -136,6 +139,7 @@ def detach_lora(model):
     for key in [k for k, v in patched.object_patches.items() if isinstance(v, LoRAForward)]:
         del patched.object_patches[key]
     patched.remove_attachments(ATTACHMENT_KEY)
+    patched.remove_attachments(LOADED_KEY)
     return patched
 
 
@@ -167,6 +171,147 @@ def build_lora_metadata(model, lora_set: LoRASet, extra: Mapping[str, object] | 
     family = model_family(model)
     md = {"ss_training_finished_at": str(time.time())}
     md.update(attention_metadata(model))
+    md.update(getattr(lora_set, "info", {}))
     md.update({str(k): v for k, v in (extra or {}).items()})
     return lora_metadata(lora_set.config, family=family, key_style=default_key_style(family),
                          mixed_precision=_mixed_precision(model), extra=md)
+
+
+# ---- loading a LoRA file onto a model ---------------------------------------------------------------------
+
+def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, name: str):
+    """Clone with the file's factors as unmerged adapters on the fp32 path (one frozen LoRASet per rank)."""
+    factors = parse_lora_tensors(tensors, linear_layers(model), name=name)
+    patched = model
+    loaded = list(model.get_attachment(LOADED_KEY) or ())
+    for rank in sorted({f.rank for f in factors.values()}):
+        group = {p: f for p, f in factors.items() if f.rank == rank}
+        cfg = LoRAConfig(rank=rank, alpha=float(rank), targets="none")
+        lora_set = lora_set_from_factors(group, cfg, strength)
+        patched = install(patched, lora_set, attachment_key=None)
+        loaded.append(lora_set)
+    patched.set_attachments(LOADED_KEY, tuple(loaded))
+    return patched
+
+
+def load_lora_merge(model, tensors: Mapping[str, torch.Tensor], strength: float, name: str):
+    """Clone with ComfyUI's standard weight patches (what LoraLoaderModelOnly does)."""
+    import comfy.lora
+    import comfy.lora_convert
+
+    key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+    loaded = comfy.lora.load_lora(comfy.lora_convert.convert_lora(dict(tensors)), key_map)
+    if not loaded:
+        raise ValueError(
+            f"[Precision LoRA] {name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches this model: "
+            "it is a LoRA for another model family or architecture; pick a LoRA trained for this model"
+        )
+    patched = model.clone()
+    applied = patched.add_patches(loaded, strength)
+    if len(applied) < len(loaded):
+        log.warning("[Precision LoRA] %s: %d of %d LoRA weights found no model weight", name,
+                    len(loaded) - len(applied), len(loaded))
+    return patched
+
+
+LOAD_MODES = {"fp32": load_lora_fp32, "merge": load_lora_merge}
+
+
+def load_lora(model, tensors: Mapping[str, torch.Tensor], strength: float, mode: str, name: str):
+    """Apply a LoRA file's tensors in ``mode`` ("fp32" unmerged, "merge" ComfyUI patches)."""
+    if mode not in LOAD_MODES:
+        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: mode={mode!r} is unknown: use one of {list(LOAD_MODES)}")
+    return LOAD_MODES[mode](model, tensors, strength, name)
+
+
+# ---- where PrecisionSaveLoRA writes ------------------------------------------------------------------------
+
+SAVE_FOLDERS = ("loras", "output")
+
+
+def save_folder(folder: str) -> str:
+    """Absolute base folder: the first ``loras`` folder ComfyUI knows, or the output directory."""
+    import folder_paths
+
+    if folder == "loras":
+        return os.path.abspath(folder_paths.get_folder_paths("loras")[0])
+    if folder == "output":
+        return os.path.abspath(folder_paths.get_output_directory())
+    raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: folder={folder!r} is unknown: use one of {list(SAVE_FOLDERS)}")
+
+
+def check_prefix(prefix: str) -> str | None:
+    """Why ``prefix`` is refused (absolute, '..', empty), or None when it stays inside the folder."""
+    norm = prefix.replace("\\", "/").strip()
+    if not norm or norm.endswith("/"):
+        return f"filename_prefix={prefix!r} has no file name: give a name such as 'my_lora' or 'sub/my_lora'"
+    if norm.startswith("/") or (len(norm) > 1 and norm[1] == ":"):
+        return f"filename_prefix={prefix!r} is an absolute path: give a name relative to the target folder"
+    if any(part == ".." for part in norm.split("/")):
+        return f"filename_prefix={prefix!r} contains '..' and would escape the target folder: remove the '..'"
+    return None
+
+
+def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
+    """File path for a new LoRA: ``<prefix>_00001_.safetensors`` with ComfyUI's counter, or ``<prefix>.safetensors``.
+
+    Raises ValueError when the prefix (or a symlink on the way) leaves the folder.
+    """
+    import folder_paths
+
+    reason = check_prefix(prefix)
+    if reason:
+        raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: {reason}")
+    base = save_folder(folder)
+    os.makedirs(base, exist_ok=True)
+    prefix = prefix.replace("\\", "/").strip()
+    if use_counter:
+        out_dir, name, counter, _sub, _ = folder_paths.get_save_image_path(prefix, base)
+        path = os.path.join(out_dir, f"{name}_{counter:05}_.safetensors")
+    else:
+        path = os.path.join(base, prefix if prefix.endswith(".safetensors") else prefix + ".safetensors")
+    real_base = os.path.realpath(base)
+    if os.path.commonpath((real_base, os.path.realpath(os.path.dirname(path)))) != real_base:
+        raise ValueError(
+            f"[Precision LoRA] PrecisionSaveLoRA: filename_prefix={prefix!r} resolves outside {base} (through a symlink): "
+            "choose a name inside the folder"
+        )
+    return path
+
+
+# ---- attention settings recorded in a LoRA file ------------------------------------------------------------
+
+ATTENTION_POLICIES = ("apply_recorded", "ignore", "override")
+
+
+def _same_attention(a, b) -> bool:
+    return a.replace(collect_stats=False) == b.replace(collect_stats=False)
+
+
+def apply_attention_policy(model, md: Mapping[str, str], policy: str, override=None, name: str = "LoRA"):
+    """Return (model, note). ``apply_recorded`` patches the file's settings (none recorded → unchanged),
+    ``ignore`` leaves the model as it is, ``override`` patches ``override`` (an AttentionConfig). Warns when
+    the incoming model is already patched with settings that differ from the ones the LoRA was trained with.
+    """
+    from ..attention.config import AttentionConfig
+    from .attention_glue import get_attention_config, patch_attention
+
+    try:
+        recorded = AttentionConfig.from_metadata(md)
+    except ValueError as e:
+        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: {name}: {e}; set attention to 'ignore' or 'override'") from None
+    current = get_attention_config(model)
+    target = {"apply_recorded": recorded, "ignore": None, "override": override}.get(policy, "bad")
+    if target == "bad":
+        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: attention={policy!r} is unknown: use one of {list(ATTENTION_POLICIES)}")
+    if current is not None and recorded is not None and not _same_attention(current, recorded):
+        log.warning("[Precision LoRA] PrecisionLoadLoRA: %s was trained with attention %s but the incoming model is "
+                    "patched with %s; %s", name, recorded, current,
+                    "the recorded settings replace them" if policy == "apply_recorded" else "keeping the model's")
+    if target is None:
+        note = "attention: no settings recorded (default)" if recorded is None else f"attention: {policy} (model unchanged)"
+        return model, note
+    target.validate()
+    if current is None and target.is_default():
+        return model, f"attention: {target.backend}, default scale"
+    return patch_attention(model, target), f"attention: {target}"

@@ -270,6 +270,8 @@ class LoRASet(nn.Module):
         if not shapes:
             raise ValueError("[Precision LoRA] LoRASet: no target modules; widen the targets preset or the include regex")
         self.config = config
+        # Metadata the trainer records for the file (e.g. {"ss_steps": "500"}); keys are metadata keys.
+        self.info: dict[str, str] = {}
         self.rng = DropoutRNG(config.seed)
         gen = torch.Generator().manual_seed(config.seed)
         self.layers = nn.ModuleDict()

@@ -1,0 +1,203 @@
+"""LoRA nodes: PrecisionAttachLoRA, PrecisionSaveLoRA, PrecisionLoadLoRA (thin: config → one glue call)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import folder_paths
+
+from ..attention.backends import BACKENDS
+from ..attention.config import SCALE_MODES, AttentionConfig
+from ..training.lora import MAX_RANK, PARAM_DTYPES, LoRAConfig
+from ..training.lora_file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
+from ..training.targets import preset_names
+from . import lora_glue as glue
+from .comfy_io import io
+
+log = logging.getLogger(__name__)
+
+_D = LoRAConfig()
+_A = AttentionConfig()
+NONE = "none"
+
+
+def _loras() -> list[str]:
+    return folder_paths.get_filename_list("loras")
+
+
+def _err(node: str, message: str) -> ValueError:
+    return ValueError(f"[Precision LoRA] {node}: {message}")
+
+
+def _float(name: str, default: float, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
+    return io.Float.Input(name, default=default, min=lo, max=hi, step=step, tooltip=tip)
+
+
+class PrecisionAttachLoRA(io.ComfyNode):
+    NODE = "PrecisionAttachLoRA"
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        drop = "Probability in [0, 0.99]; active only while training."
+        return io.Schema(
+            node_id=cls.NODE, display_name="Attach LoRA (Precision)", category="precision_lora/lora",
+            description="Adds trainable LoRA layers to a copy of the model. The LoRA path runs in fp32 and is added "
+                        "before the base output is rounded, so small updates survive bf16. Bypass the node to remove it.",
+            inputs=[
+                io.Model.Input("model", tooltip="Diffusion model to adapt (it is cloned, never changed)."),
+                io.Int.Input("rank", default=_D.rank, min=1, max=MAX_RANK, step=1, tooltip="LoRA rank (dim)."),
+                _float("alpha", _D.alpha, 0.01, 4096.0, 0.01, "LoRA alpha; scale = alpha / rank (alpha / sqrt(rank) with rsLoRA)."),
+                io.Combo.Input("targets", options=preset_names(), default=_D.targets,
+                               tooltip="Preset of layers per model family: attention, attention_mlp, all, none (include only)."),
+                io.String.Input("include", default=_D.include, tooltip="Extra layers: regex searched in module paths, e.g. 'img_mlp'."),
+                io.String.Input("exclude", default=_D.exclude, tooltip="Regex of module paths to leave out, e.g. 'txt_'."),
+                io.String.Input("blocks", default=_D.blocks, tooltip="Block filter: '0-3,7' or 'double_blocks:0-5, single_blocks:0-9'; empty = all."),
+                io.Boolean.Input("fp32_accumulation", default=_D.fp32_accumulation,
+                                 tooltip="Sum base + LoRA in fp32 before the one cast to the model dtype (recommended)."),
+                _float("dropout", _D.dropout, 0.0, 0.99, 0.01, "Input dropout of the LoRA path. " + drop),
+                _float("rank_dropout", _D.rank_dropout, 0.0, 0.99, 0.01, "Drops whole ranks per sample. " + drop),
+                _float("module_dropout", _D.module_dropout, 0.0, 0.99, 0.01, "Skips a whole LoRA layer. " + drop),
+                io.Boolean.Input("rslora", default=_D.rslora, tooltip="rsLoRA scale alpha / sqrt(rank)."),
+                io.Combo.Input("param_dtype", options=list(PARAM_DTYPES), default=_D.param_dtype,
+                               tooltip="Storage of the LoRA weights; fp32 recommended (bf16 needs stochastic rounding in the optimizer)."),
+                io.Int.Input("seed", default=_D.seed, min=0, max=2**63 - 1, step=1, tooltip="Seed of the LoRA init and dropouts."),
+                io.Combo.Input("init_lora", options=[NONE, *_loras()], default=NONE,
+                               tooltip="Continue training from this LoRA file (same rank and targets)."),
+                io.Boolean.Input("dry_run", default=False, tooltip="Only list the matched layers; return the model unchanged."),
+            ],
+            outputs=[io.Model.Output(display_name="model", tooltip="The model with LoRA layers attached."),
+                     io.String.Output(display_name="targets", tooltip="The adapted layers with their shapes.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, targets=None, include=None, exclude=None, blocks=None, param_dtype=None,
+                        init_lora=None) -> bool | str:
+        if None in (targets, include, exclude, blocks, param_dtype):
+            return True
+        try:
+            LoRAConfig(targets=targets, include=include, exclude=exclude, blocks=blocks, param_dtype=param_dtype).validate()
+        except ValueError as e:
+            return f"{cls.NODE}: {e}"
+        if init_lora not in (None, NONE) and init_lora not in _loras():
+            return f"{cls.NODE}: init_lora {init_lora!r} is not in models/loras; put the file there and refresh"
+        return True
+
+    @classmethod
+    def execute(cls, model, rank, alpha, targets, include, exclude, blocks, fp32_accumulation, dropout, rank_dropout,
+                module_dropout, rslora, param_dtype, seed, init_lora, dry_run) -> io.NodeOutput:
+        cfg = LoRAConfig(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, rank_dropout=rank_dropout,
+                         module_dropout=module_dropout, fp32_accumulation=fp32_accumulation, targets=targets,
+                         include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype)
+        try:
+            cfg.validate()
+            plan = glue.plan_targets(model, cfg)
+        except ValueError as e:
+            raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
+        listing = "\n".join(f"{p}  ({i} -> {o})" for p, (i, o) in plan.items())
+        if dry_run:
+            return io.NodeOutput(model, f"dry run: {len(plan)} layers\n{listing}")
+        init = None if init_lora == NONE else folder_paths.get_full_path_or_raise("loras", init_lora)
+        patched = glue.attach_lora(model, cfg, init_file=init)
+        n_params = glue.get_lora_set(patched).num_parameters()
+        return io.NodeOutput(patched, f"{len(plan)} layers, {n_params:,} parameters\n{listing}")
+
+
+class PrecisionSaveLoRA(io.ComfyNode):
+    NODE = "PrecisionSaveLoRA"
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=cls.NODE, display_name="Save LoRA (Precision)", category="precision_lora/lora",
+            description="Writes the LoRA attached to the model as safetensors (kohya keys for Flux, diffusion_model "
+                        "keys otherwise, explicit alpha) with metadata incl. the attention settings. Atomic; never overwrites by default.",
+            inputs=[
+                io.Model.Input("model", tooltip="A model that carries a LoRA from Attach LoRA / Train LoRA."),
+                io.String.Input("filename_prefix", default="precision_lora/lora",
+                                tooltip="Name (may include subfolders) relative to the target folder."),
+                io.Combo.Input("folder", options=list(glue.SAVE_FOLDERS), default="loras",
+                               tooltip="models/loras (first loras folder; Load LoRA lists it) or the output folder."),
+                io.Combo.Input("save_dtype", options=list(SAVE_DTYPES), default="fp32",
+                               tooltip="dtype of the saved factors (fp32 keeps every bit of the trained weights)."),
+                io.Combo.Input("key_style", options=["auto", *KEY_STYLES], default="auto",
+                               tooltip="auto: kohya 'lora_unet_' for the Flux family, 'diffusion_model.' for others."),
+                io.Boolean.Input("use_counter", default=True, tooltip="Append ComfyUI's _00001_ counter to the name."),
+                io.Boolean.Input("overwrite", default=False, tooltip="Replace an existing file of the same name."),
+            ],
+            outputs=[io.String.Output(display_name="path", tooltip="Absolute path of the written file.")],
+            is_output_node=True, not_idempotent=True,
+        )
+
+    @classmethod
+    def validate_inputs(cls, filename_prefix=None) -> bool | str:
+        reason = None if filename_prefix is None else glue.check_prefix(filename_prefix)
+        return True if reason is None else f"{cls.NODE}: {reason}"
+
+    @classmethod
+    def execute(cls, model, filename_prefix, folder, save_dtype, key_style, use_counter, overwrite) -> io.NodeOutput:
+        lora_set = glue.get_lora_set(model)
+        if lora_set is None:
+            raise _err(cls.NODE, "input 'model' carries no LoRA: connect the output of Attach LoRA or Train LoRA")
+        style = default_key_style(glue.model_family(model)) if key_style == "auto" else key_style
+        tensors = lora_state_dict(lora_set, style, save_dtype)
+        metadata = glue.build_lora_metadata(model, lora_set, {"ss_key_style": style, "ss_save_dtype": save_dtype})
+        path = glue.resolve_save_path(folder, filename_prefix, use_counter)
+        try:
+            path = save_lora_file(path, tensors, metadata, overwrite=overwrite)
+        except FileExistsError as e:
+            raise _err(cls.NODE, f"{os.path.basename(path)} exists in {os.path.dirname(path)}: enable overwrite or "
+                                 "use_counter, or change filename_prefix") from e
+        return io.NodeOutput(path, ui={"text": [path]})
+
+
+class PrecisionLoadLoRA(io.ComfyNode):
+    NODE = "PrecisionLoadLoRA"
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=cls.NODE, display_name="Load LoRA (Precision)", category="precision_lora/lora",
+            description="Applies a LoRA and the attention settings (softmax scale, backend) recorded in it. fp32 mode "
+                        "keeps the LoRA unmerged on the fp32 path; merge uses ComfyUI's standard weight patching.",
+            inputs=[
+                io.Model.Input("model", tooltip="Diffusion model (cloned, never changed)."),
+                io.Combo.Input("lora_name", options=_loras(), tooltip="LoRA file in models/loras."),
+                _float("strength", 1.0, -10.0, 10.0, 0.01, "LoRA strength (1.0 = as trained)."),
+                io.Combo.Input("mode", options=list(glue.LOAD_MODES), default="fp32",
+                               tooltip="fp32: unmerged, sum before rounding (exact as trained). merge: ComfyUI's weight merge."),
+                io.Combo.Input("attention", options=list(glue.ATTENTION_POLICIES), default="apply_recorded",
+                               tooltip="apply_recorded: use the scale/backend saved in the file; ignore: leave the model's; "
+                                       "override: use the three override inputs below."),
+                io.Combo.Input("override_backend", options=["auto", *BACKENDS], default=_A.backend,
+                               tooltip="Backend when attention = override."),
+                io.Combo.Input("override_scale_mode", options=list(SCALE_MODES), default=_A.scale_mode,
+                               tooltip="Scale mode when attention = override: default 1/sqrt(d), absolute, multiplier of 1/sqrt(d)."),
+                _float("override_scale_value", _A.scale_value, 0.0001, 100.0, 0.0001, "Scale value when attention = override."),
+            ],
+            outputs=[io.Model.Output(display_name="model", tooltip="The model with the LoRA (and attention settings)."),
+                     io.String.Output(display_name="info", tooltip="What was applied.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, lora_name=None) -> bool | str:
+        if lora_name is not None and lora_name not in _loras():
+            return f"{cls.NODE}: lora_name {lora_name!r} is not in models/loras; put the file there and refresh"
+        return True
+
+    @classmethod
+    def execute(cls, model, lora_name, strength, mode, attention, override_backend, override_scale_mode,
+                override_scale_value) -> io.NodeOutput:
+        path = folder_paths.get_full_path_or_raise("loras", lora_name)
+        name = f"lora_name {lora_name!r}"
+        try:
+            tensors, md = read_lora_file(path)
+            override = AttentionConfig(backend=override_backend, scale_mode=override_scale_mode,
+                                       scale_value=override_scale_value) if attention == "override" else None
+            patched = glue.load_lora(model, tensors, strength, mode, name)
+            patched, note = glue.apply_attention_policy(patched, md, attention, override, name)
+        except (ValueError, FileNotFoundError) as e:
+            raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
+        return io.NodeOutput(patched, f"{lora_name}: {mode}, strength {strength}; {note}")
+
+
+NODES = [PrecisionAttachLoRA, PrecisionSaveLoRA, PrecisionLoadLoRA]
