@@ -40,10 +40,11 @@ def no_backward_message(backend: str) -> str:
 
 
 def scale_query(q: torch.Tensor, scale: float, head_dim: int) -> torch.Tensor:
-    """q multiplied by scale·sqrt(head_dim) in fp32, cast back once: a backend that applies
+    """q multiplied by scale·sqrt(head_dim) in fp32 (fp64 stays fp64), cast back once: a backend that applies
     1/sqrt(head_dim) then computes softmax(q·kᵀ·scale)."""
     factor = scale * math.sqrt(head_dim)
-    return (q.float() * factor).to(q.dtype)
+    wide = q if q.dtype == torch.float64 else q.float()
+    return (wide * factor).to(q.dtype)
 
 
 class AttentionDispatcher:

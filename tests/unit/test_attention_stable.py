@@ -64,7 +64,7 @@ def test_no_nan_and_exact_with_large_or_degenerate_row_maxima(row_max, beta):
 
 
 def test_row_shift_is_bounded_and_row_dependent():
-    r = torch.rand(20001, generator=torch.Generator().manual_seed(0)) * 800.0 - 400.0
+    r = torch.rand(4001, generator=torch.Generator().manual_seed(0)) * 800.0 - 400.0
     for beta in (1.5, 2.0, 7.0, 8.0):
         delta = row_shift(r, beta)
         assert (delta >= SHIFT_MIN).all() and (delta <= SHIFT_MAX).all()
