@@ -1,0 +1,191 @@
+"""PrecisionSaveLoRA files load in stock ComfyUI (LoraLoaderModelOnly) with no missing keys and the same
+output; PrecisionLoadLoRA re-applies the recorded attention settings; bad files give clear errors."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1, tiny_flux2
+
+FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
+SAVE_ARGS = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
+LOAD_ARGS = dict(strength=1.0, mode="fp32", attention="apply_recorded", override_backend="auto",
+                 override_scale_mode="default", override_scale_value=1.0)
+
+
+def denoise(model, seed: int = 0) -> torch.Tensor:
+    """One euler step through ComfyUI's sampler (same helper as test_lora_attach.py)."""
+    import comfy.sample
+
+    latent = make_latent(model, batch=1, seed=seed)["samples"]
+    cond = make_conditioning(model, batch=1)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True, seed=seed)
+
+
+def randomize(lora_set, seed: int, std: float = 0.2) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode(False), torch.no_grad():
+        for a in lora_set.adapters().values():
+            a.up.copy_(torch.randn(a.up.shape, generator=g) * std)
+            a.mark_modified()
+
+
+@pytest.fixture(scope="module")
+def glue(pack_module):
+    return pack_module("nodes.lora_glue")
+
+
+@pytest.fixture(scope="module")
+def cfg_cls(pack_module):
+    return pack_module("training.lora").LoRAConfig
+
+
+@pytest.fixture(scope="module")
+def attn(pack_module):
+    return pack_module("nodes.attention_glue"), pack_module("attention.config").AttentionConfig
+
+
+def node(node_id):
+    import comfy_harness
+
+    return comfy_harness.node_class(node_id)
+
+
+def loras_dir() -> str:
+    import folder_paths
+
+    return folder_paths.get_folder_paths("loras")[0]
+
+
+def lora_name(path: str) -> str:
+    return os.path.relpath(path, loras_dir()).replace(os.sep, "/")
+
+
+def save(model, prefix: str, **kw) -> str:
+    return node("PrecisionSaveLoRA").execute(model, prefix, **{**SAVE_ARGS, **kw}).result[0]
+
+
+def trained(glue, cfg_cls, base, seed=1, **cfg):
+    model = glue.attach_lora(base, cfg_cls(**{"rank": 4, "targets": "attention_mlp", **cfg}))
+    randomize(glue.get_lora_set(model), seed)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_saved_lora_loads_in_stock_comfyui_with_same_output(family, glue, cfg_cls, caplog):
+    import nodes as comfy_nodes
+    from training.lora_file import read_lora_file
+
+    base = FAMILIES[family]()
+    model = trained(glue, cfg_cls, base)
+    expected = denoise(model)
+    path = save(model, f"stock/{family}")
+    tensors, md = read_lora_file(path)
+    prefix = "lora_unet_" if family != "cosmos" else "diffusion_model."
+    assert all(k.startswith(prefix) for k in tensors) and sum(k.endswith(".alpha") for k in tensors) == len(tensors) // 3
+    assert md["ss_network_dim"] == "4" and md["ss_base_model_version"] in ("flux1", "flux2", "cosmos_predict2")
+    assert md["ss_lora_fp32_accumulation"] == "True" and "ss_attn_softmax_scale" in md
+    with caplog.at_level(logging.WARNING):
+        stock = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(base, lora_name(path), 1.0)[0]
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    assert len(stock.patches) == len(glue.get_lora_set(model).adapters())
+    torch.testing.assert_close(denoise(stock), expected, rtol=1e-4, atol=1e-4)
+    ours = node("PrecisionLoadLoRA").execute(base, lora_name(path), **LOAD_ARGS).result[0]
+    torch.testing.assert_close(denoise(ours), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_load_lora_applies_recorded_scale_like_patch_attention_by_hand(glue, cfg_cls, attn):
+    attention_glue, AttentionConfig = attn
+    base = tiny_flux1()
+    scaled = AttentionConfig(scale_mode="multiplier", scale_value=1.7)
+    model = trained(glue, cfg_cls, attention_glue.patch_attention(base, scaled), seed=2)
+    expected = denoise(model)
+    path = save(model, "attn/scaled")
+    loaded = node("PrecisionLoadLoRA").execute(base, lora_name(path), **LOAD_ARGS).result[0]
+    assert attention_glue.get_attention_config(loaded) == scaled
+    by_hand = attention_glue.patch_attention(
+        node("PrecisionLoadLoRA").execute(base, lora_name(path), **{**LOAD_ARGS, "attention": "ignore"}).result[0], scaled)
+    out = denoise(loaded)
+    assert torch.equal(out, denoise(by_hand))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    ignored = node("PrecisionLoadLoRA").execute(base, lora_name(path), **{**LOAD_ARGS, "attention": "ignore"}).result[0]
+    assert attention_glue.get_attention_config(ignored) is None
+    assert (denoise(ignored) - out).abs().max() > 1e-4  # the scale matters, so the test above can fail
+    over = node("PrecisionLoadLoRA").execute(base, lora_name(path), **{
+        **LOAD_ARGS, "attention": "override", "override_scale_mode": "absolute", "override_scale_value": 0.2}).result[0]
+    assert attention_glue.get_attention_config(over) == AttentionConfig(scale_mode="absolute", scale_value=0.2)
+
+
+def test_load_lora_warns_when_model_is_patched_differently(glue, cfg_cls, attn, caplog):
+    attention_glue, AttentionConfig = attn
+    base = tiny_flux1()
+    path = save(trained(glue, cfg_cls, attention_glue.patch_attention(base, AttentionConfig(scale_mode="multiplier",
+                                                                                             scale_value=1.5))), "attn/warn")
+    incoming = attention_glue.patch_attention(base, AttentionConfig(scale_mode="multiplier", scale_value=0.5))
+    with caplog.at_level(logging.WARNING):
+        node("PrecisionLoadLoRA").execute(incoming, lora_name(path), **{**LOAD_ARGS, "attention": "ignore"})
+    assert any("was trained with attention" in r.getMessage() and "keeping the model's" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_foreign_lora_without_metadata_loads_with_default_attention(glue, cfg_cls, attn, tmp_path):
+    from training.lora_file import lora_state_dict, save_lora_file
+
+    attention_glue, _ = attn
+    base = tiny_cosmos()
+    model = trained(glue, cfg_cls, base, seed=3)
+    path = save_lora_file(os.path.join(loras_dir(), "foreign", "plain.safetensors"),
+                          lora_state_dict(glue.get_lora_set(model), "diffusion_model"), {}, overwrite=True)
+    fp32 = node("PrecisionLoadLoRA").execute(base, lora_name(path), **LOAD_ARGS).result
+    merged = node("PrecisionLoadLoRA").execute(base, lora_name(path), **{**LOAD_ARGS, "mode": "merge"}).result[0]
+    assert attention_glue.get_attention_config(fp32[0]) is None and "no settings recorded" in fp32[1]
+    torch.testing.assert_close(denoise(fp32[0]), denoise(merged), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(denoise(fp32[0]), denoise(model), rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_saved_lora_continues_and_rank_mismatch_errors(glue, cfg_cls):
+    base = tiny_flux2()
+    model = trained(glue, cfg_cls, base, seed=4)
+    path = save(model, "init/src")
+    cont = glue.attach_lora(base, cfg_cls(rank=4, targets="attention_mlp", alpha=8.0), init_file=path)
+    torch.testing.assert_close(denoise(cont), denoise(model), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"has rank 4 but rank=8: set rank to 4"):
+        glue.attach_lora(base, cfg_cls(rank=8, targets="attention_mlp"), init_file=path)
+
+
+def test_save_naming_counter_overwrite_and_escape(glue, cfg_cls):
+    model = trained(glue, cfg_cls, tiny_flux1())
+    first, second = save(model, "names/run"), save(model, "names/run")
+    assert [os.path.basename(p) for p in (first, second)] == ["run_00001_.safetensors", "run_00002_.safetensors"]
+    fixed = save(model, "names/fixed", use_counter=False)
+    with pytest.raises(ValueError, match=r"PrecisionSaveLoRA: fixed.safetensors exists in .*: enable overwrite"):
+        save(model, "names/fixed", use_counter=False)
+    assert save(model, "names/fixed", use_counter=False, overwrite=True) == fixed
+    before = sorted(os.listdir(os.path.dirname(loras_dir())))
+    for bad, why in (("../escape", "contains '..'"), ("/tmp/abs", "is an absolute path"), ("dir/", "has no file name")):
+        with pytest.raises(ValueError, match=rf"PrecisionSaveLoRA: filename_prefix='{bad}' {why}"):
+            save(model, bad)
+        assert why in node("PrecisionSaveLoRA").validate_inputs(filename_prefix=bad)
+    assert sorted(os.listdir(os.path.dirname(loras_dir()))) == before
+    assert not [f for _r, _d, fs in os.walk(loras_dir()) for f in fs if f.endswith(".partial")]
+    with pytest.raises(ValueError, match=r"input 'model' carries no LoRA: connect the output of Attach LoRA"):
+        save(tiny_flux1(), "names/none")
+
+
+def test_load_lora_bad_files(glue, cfg_cls):
+    base = tiny_flux1()
+    good = save(trained(glue, cfg_cls, base), "bad/good")
+    data = open(good, "rb").read()
+    trunc = os.path.join(loras_dir(), "bad", "truncated.safetensors")
+    with open(trunc, "wb") as f:
+        f.write(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionLoadLoRA: cannot read LoRA file .*truncated\.safetensors.*corrupt or truncated"):
+        node("PrecisionLoadLoRA").execute(base, "bad/truncated.safetensors", **LOAD_ARGS)
+    cosmos_lora = save(trained(glue, cfg_cls, tiny_cosmos()), "bad/cosmos")
+    for mode in ("fp32", "merge"):
+        with pytest.raises(ValueError, match=r"PrecisionLoadLoRA: lora_name 'bad/cosmos_00001_.safetensors': none of its .* keys"):
+            node("PrecisionLoadLoRA").execute(base, lora_name(cosmos_lora), **{**LOAD_ARGS, "mode": mode})
