@@ -16,8 +16,6 @@ import threading
 
 import pytest
 
-from server_harness import ComfyServer
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 ARTIFACTS = os.path.join(ROOT, "artifacts", "browser")
@@ -119,15 +117,6 @@ class Browser:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    srv = ComfyServer.start(str(tmp_path_factory.mktemp("comfy_browser_base")))
-    # The first visit to a fresh ComfyUI opens the template browser; a returning user's page does not.
-    srv.request("/settings/Comfy.TutorialCompleted", True, method="POST")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="session")
 def browser():
     b = Browser()
     yield b
@@ -144,7 +133,10 @@ PAGE_READY = """() => {
 
 
 @pytest.fixture(scope="session")
-def comfy_page(server, browser):
-    """The ComfyUI page, opened once; tests load workflows into it."""
-    browser.call("goto", url=server.url + "/", waitFor=PAGE_READY, timeout=120)
+def comfy_page(comfy_server, browser):
+    """The ComfyUI page of the session's server (tests/conftest.py), opened once; tests load workflows into it."""
+    # The first visit to a fresh ComfyUI opens the template browser; a returning user's page does not.
+    status, body = comfy_server.request("/settings/Comfy.TutorialCompleted", True, method="POST")
+    assert status == 200, body
+    browser.call("goto", url=comfy_server.url + "/", waitFor=PAGE_READY, timeout=150)
     return browser
