@@ -99,22 +99,47 @@ class DropoutRNG:
         return self._gens[key]
 
 
-def _mm_out_dtype_supported(device: torch.device) -> bool:
-    return device.type == "cuda"
+def _gemm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a (m, k) @ b_t (k, n) of low-precision operands with an fp32, unrounded result."""
+    if a.is_cuda:
+        return torch.mm(a, b_t, out_dtype=torch.float32)
+    return torch.mm(a.float(), b_t.float())  # CPU: aten::mm.dtype is not implemented in torch 2.13
 
 
-def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class _LowPrecisionGemmFp32Out(torch.autograd.Function):
+    """x2 (m, in) @ w (out, in)^T → (m, out) fp32. ``aten::mm.dtype`` has no derivative, so the backward is
+    written here: input and weight gradients in the operands' dtype, as the plain layer would produce."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x2, w)
+        return _gemm_fp32_out(x2, w.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        x2, w = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = _gemm_fp32_out(grad.to(w.dtype), w).to(x2.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = _gemm_fp32_out(grad.to(x2.dtype).t(), x2).to(w.dtype)
+        return gx, gw
+
+
+def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     low: torch.dtype | None = None) -> torch.Tensor:
     """Base linear with an fp32 output that has not been rounded to the model dtype.
 
-    On CUDA with bf16/fp16 operands (or under a bf16/fp16 autocast) a low-precision GEMM writes fp32
-    (``torch.mm(..., out_dtype=torch.float32)``); elsewhere (CPU: ``aten::mm.dtype`` is not implemented)
-    the product is computed in fp32. Call with autocast disabled. x (..., in) → (..., out) fp32.
+    With bf16/fp16 operands (or under a bf16/fp16 autocast) the operands are taken in that dtype and the
+    GEMM writes fp32: on CUDA ``torch.mm(..., out_dtype=torch.float32)`` (with our own backward), on CPU
+    an fp32 product of the same operands. fp32 operands: an fp32 linear. Call with autocast disabled.
+    ``low``: the operand dtype to use (the caller's autocast dtype); None = from the operands.
+    x (..., in) → (..., out) fp32.
     """
-    low = _low_precision_dtype(x, weight)
-    if low is not None and _mm_out_dtype_supported(x.device):
+    low = low or _low_precision_dtype(x, weight)
+    if low is not None:
         x2 = x.reshape(-1, x.shape[-1]).to(low)
-        y = torch.mm(x2, weight.to(low).t(), out_dtype=torch.float32)
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        y = _LowPrecisionGemmFp32Out.apply(x2, weight.to(low)).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.float()
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
@@ -245,7 +270,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_dtype = output_dtype(x)
     low = _low_precision_dtype(x, weight)
     with torch.autocast(device_type=x.device.type, enabled=False):
-        acc = base_linear_fp32(x if low is None else x.to(low), weight if low is None else weight.to(low), bias)
+        acc = base_linear_fp32(x, weight, bias, low)
         for a in adapters:
             d = a.delta_fp32(x)
             if d is not None:
