@@ -111,4 +111,42 @@ class PrecisionDemoLatent(io.ComfyNode):
         return io.NodeOutput(make_latent(model, width, height, batch_size, seed))
 
 
-NODES = [PrecisionDemoConditioning, PrecisionDemoLatent]
+def latent_to_preview(samples: torch.Tensor, upscale: int = 8) -> torch.Tensor:
+    """IMAGE (B, H*upscale, W*upscale, 3) in [0, 1] from the first 3 latent channels (first frame if 5-D).
+
+    Each image is min-max normalised on its own: a look at the latent's structure, not a decode.
+    """
+    x = samples.detach().float()
+    if x.ndim == 5:
+        x = x[:, :, 0]
+    if x.ndim != 4:
+        raise ValueError(f"[Precision LoRA] PrecisionDemoPreview: expected a 4-D or 5-D latent, got shape {tuple(x.shape)}")
+    if x.shape[1] < 3:
+        x = x[:, :1].expand(-1, 3, -1, -1)
+    x = x[:, :3]
+    lo = x.amin(dim=(1, 2, 3), keepdim=True)
+    hi = x.amax(dim=(1, 2, 3), keepdim=True)
+    x = (x - lo) / (hi - lo).clamp_min(1e-12)
+    x = torch.nn.functional.interpolate(x, scale_factor=upscale, mode="nearest")
+    return x.movedim(1, -1).contiguous()
+
+
+class PrecisionDemoPreview(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PrecisionDemoPreview",
+            display_name="Demo Latent Preview (no VAE)",
+            category="precision_lora/demo",
+            description="Shows a latent as an image without a VAE: its first 3 channels, normalised, upscaled "
+                        "8x. Stands in for VAE Decode with tiny demo models; use VAE Decode for real models.",
+            inputs=[io.Latent.Input("samples", tooltip="Latent to show (e.g. KSampler's output).")],
+            outputs=[io.Image.Output(display_name="image")],
+        )
+
+    @classmethod
+    def execute(cls, samples) -> io.NodeOutput:
+        return io.NodeOutput(latent_to_preview(samples["samples"]))
+
+
+NODES = [PrecisionDemoConditioning, PrecisionDemoLatent, PrecisionDemoPreview]
