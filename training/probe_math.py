@@ -31,16 +31,19 @@ PATHS = ("merge", "add_bf16", "add_rounded", "fp32_unmerged")
 
 @dataclass(frozen=True)
 class SurvivalStats:
-    """Gains per path (see module doc), the fraction of weight elements a bf16 merge changes, the layer's
-    rms(ΔW)/rms(W), and ``ideal_energy`` = Σ ideal² (the weight of this layer in a model summary)."""
+    """Gains per path (see module doc), relative errors ‖real − ideal‖ / ‖ideal‖ per path, the fraction of
+    weight elements a bf16 merge changes, the layer's rms(ΔW)/rms(W), and ``ideal_energy`` = Σ ideal² (the
+    weight of this layer in a model summary)."""
 
     gains: Mapping[str, float]
+    rel_errors: Mapping[str, float]
     merge_changed: float
     rho: float
     ideal_energy: float
 
     def as_dict(self) -> dict[str, float]:
-        return {**{f"gain_{k}": v for k, v in self.gains.items()}, "merge_changed": self.merge_changed,
+        return {**{f"gain_{k}": v for k, v in self.gains.items()},
+                **{f"rel_err_{k}": v for k, v in self.rel_errors.items()}, "merge_changed": self.merge_changed,
                 "rho": self.rho, "ideal_energy": self.ideal_energy}
 
 
@@ -106,9 +109,12 @@ def delta_survival(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         "fp32_unmerged": ours,
     }
     gains = {name: projection_gain(out.double() - base.double(), ideal) for name, out in outs.items()}
+    norm = float(ideal.norm())
+    errors = {name: float((out.double() - base.double() - ideal).norm()) / norm if norm > 0 else float("inf")
+              for name, out in outs.items()}
     rms_w = float(wb.double().pow(2).mean().sqrt())
     rho = float(dw.double().pow(2).mean().sqrt()) / rms_w if rms_w > 0 else float("inf")
-    return SurvivalStats(gains=gains, merge_changed=float((merged_w != wb).double().mean()), rho=rho,
+    return SurvivalStats(gains=gains, rel_errors=errors, merge_changed=float((merged_w != wb).double().mean()), rho=rho,
                          ideal_energy=float((ideal * ideal).sum()))
 
 
