@@ -1,0 +1,228 @@
+"""PrecisionTrainSettings and PrecisionTrainLoRA: thin V3 nodes over ``training.loop``.
+
+Defaults come from ``TrainSettings``; every option list from the registry that implements it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import comfy.model_management as mm
+import comfy.utils
+
+from ..training import optim, sampling
+from ..training.checkpoint import TrainingState, load_state
+from ..training.loop import Hooks, StepReport, train
+from ..training.settings import NAN_POLICIES, TrainSettings
+from .comfy_io import io
+from .train_data import build_samples
+from .train_glue import (checkpoint_writer, fork_lora, model_fns, resolve_resume, start_job, training_session)
+from .types import LossMapType, TrainingStateType, TrainSettingsType
+
+log = logging.getLogger(__name__)
+D = TrainSettings()
+CATEGORY = "precision_lora/train"
+
+
+def _node_error(node: str, exc: Exception) -> ValueError:
+    msg = str(exc).replace("[Precision LoRA] ", "", 1)
+    return ValueError(f"[Precision LoRA] {node}: {msg}")
+
+
+def _float(name: str, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
+    return io.Float.Input(name, default=getattr(D, name), min=lo, max=hi, step=step, tooltip=tip)
+
+
+def _int(name: str, lo: int, hi: int, tip: str) -> io.Int.Input:
+    return io.Int.Input(name, default=getattr(D, name), min=lo, max=hi, step=1, tooltip=tip)
+
+
+def _combo(name: str, options: list[str], tip: str) -> io.Combo.Input:
+    return io.Combo.Input(name, options=options, default=getattr(D, name), tooltip=tip)
+
+
+def _optimizer_tip() -> str:
+    rows = [f"{n}: {reason or 'available'}" for n, reason in optim.available().items()]
+    return "Optimizer. " + "; ".join(rows)
+
+
+def _settings_inputs() -> list:
+    return [
+        _combo("optimizer", list(optim.OPTIMIZERS), _optimizer_tip()),
+        _float("learning_rate", 0.0, 10.0, 1e-6, "Base learning rate (> 0). LoRA: 1e-5 .. 1e-3; Prodigy: 1.0."),
+        _float("weight_decay", 0.0, 1.0, 1e-4, "Decoupled weight decay (AdamW) / L2 (SGD, Adafactor)."),
+        _float("beta1", 0.0, 0.9999, 1e-4, "Adam beta1 / SGD momentum."),
+        _float("beta2", 0.0, 0.99999, 1e-5, "Adam beta2."),
+        _float("eps", 1e-12, 1e-3, 1e-9, "Adam epsilon."),
+        _combo("lr_schedule", list(optim.SCHEDULES), "Learning-rate schedule; decaying ones reach 0 at schedule_steps."),
+        _int("warmup_steps", 0, 100000, "Linear warmup steps (not with 'constant')."),
+        _int("schedule_steps", 1, 1000000, "Horizon of linear/cosine schedules in optimizer steps (whole run, all chained nodes)."),
+        _int("restarts", 1, 100, "Cycles of cosine_with_restarts."),
+        _float("loraplus_ratio", 0.01, 100.0, 0.01, "LoRA+: lr of lora_up = lr x ratio (1 = plain LoRA, ~16 typical)."),
+        _int("batch_size", 1, 256, "Samples per micro-batch (capped at the dataset size)."),
+        _int("grad_accum", 1, 1024, "Micro-batches per optimizer step (the loss is averaged)."),
+        _float("max_grad_norm", 0.0, 1000.0, 0.01, "Clip the gradient norm to this (0 = no clipping)."),
+        _combo("timestep_sampling", list(sampling.TIMESTEP_SAMPLERS),
+               "Where on the noise schedule to train: " + "; ".join(f"{k}: {v}" for k, v in sampling.TIMESTEP_SAMPLERS.items())),
+        _float("logit_mean", -5.0, 5.0, 0.01, "logit_normal: mean of the logit of u (u = noise fraction)."),
+        _float("logit_std", 0.01, 5.0, 0.01, "logit_normal: std of the logit of u."),
+        _float("sigmoid_scale", 0.01, 10.0, 0.01, "sigmoid: u = sigmoid(scale * z)."),
+        _float("shift", 0.01, 20.0, 0.01, "shift: u = s r / (1 + (s-1) r); > 1 favours high noise."),
+        _combo("loss_weighting", list(sampling.LOSS_WEIGHTINGS),
+               "Per-sample loss weight: " + "; ".join(f"{k}: {v}" for k, v in sampling.LOSS_WEIGHTINGS.items())),
+        _combo("target", list(sampling.TARGETS), "Regression target: " + "; ".join(f"{k}: {v}" for k, v in sampling.TARGETS.items())),
+        _float("dop_multiplier", 0.0, 100.0, 0.01, "DOP: weight of mse(pred with LoRA, pred without LoRA) on the class conditioning (0 = off)."),
+        _int("dop_every_n", 1, 1000, "DOP every n optimizer steps (amortises its two extra forwards)."),
+        _int("checkpoint_every", 0, 1000000, "Write a checkpoint every N optimizer steps into output/precision_lora/checkpoints (0 = only on stop/cancel)."),
+        _combo("nan_policy", list(NAN_POLICIES), "; ".join(f"{k}: {v}" for k, v in NAN_POLICIES.items())),
+        _int("nan_patience", 1, 100, "Non-finite steps in a row before rollback / stop."),
+        io.Boolean.Input("gradient_checkpointing", default=D.gradient_checkpointing,
+                         tooltip="Recompute each transformer block in backward: less memory, ~30% more time."),
+    ]
+
+
+class PrecisionTrainSettings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PrecisionTrainSettings", display_name="Precision Train Settings", category=CATEGORY,
+            description="Optimizer, LR schedule, accumulation, clipping, timestep sampling, loss weighting, DOP, "
+                        "checkpoints and NaN policy for PrecisionTrainLoRA.",
+            inputs=_settings_inputs(),
+            outputs=[TrainSettingsType.Output(display_name="settings")],
+        )
+
+    @classmethod
+    def execute(cls, **kwargs: Any) -> io.NodeOutput:
+        settings = TrainSettings(**kwargs)
+        try:
+            settings.validate()
+            reason = optim.available()[settings.optimizer]
+            if reason is not None:
+                raise ValueError(f"optimizer={settings.optimizer!r} is {reason}, or choose 'adamw'")
+        except ValueError as exc:
+            raise _node_error("PrecisionTrainSettings", exc) from exc
+        return io.NodeOutput(settings)
+
+
+def _send(event: str, data: dict) -> None:
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is not None:
+        instance.send_sync(event, data, getattr(instance, "client_id", None))
+
+
+def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
+    from comfy_execution.utils import get_executing_context
+
+    ctx = get_executing_context()
+    node_id = (ctx.node_id if ctx is not None else None) or unique_id
+    return (None if node_id is None else str(node_id)), (ctx.prompt_id if ctx is not None else None)
+
+
+def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, start: int) -> Callable[[StepReport], str | None]:
+    pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
+
+    def on_step(r: StepReport) -> str | None:
+        point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
+        job.add_point(point)
+        _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
+        if mm.processing_interrupted():
+            return "interrupt"  # the loop saves a checkpoint first; the node raises afterwards
+        pbar.update_absolute(r.local_step, steps)
+        return job.take_request()
+
+    return on_step
+
+
+def _flat(value: Any, default: Any = None) -> Any:
+    return value[0] if isinstance(value, list) and value else default
+
+
+class PrecisionTrainLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PrecisionTrainLoRA", display_name="Precision Train LoRA", category=CATEGORY,
+            description="Trains the attached LoRA for N optimizer steps. Chain two of these (model + training_state) "
+                        "to continue exactly where the first stopped; cancel writes a checkpoint first.",
+            is_input_list=True,
+            inputs=[
+                io.Model.Input("model", tooltip="A model with a LoRA attached by PrecisionAttachLoRA (or a previous PrecisionTrainLoRA)."),
+                io.Latent.Input("latents", tooltip="One LATENT batch, or the list of LATENTs from ComfyUI's dataset nodes."),
+                io.Conditioning.Input("conditioning", tooltip="One conditioning for all samples, one per sample, or one per LATENT."),
+                io.Int.Input("steps", default=100, min=1, max=1000000, step=1, tooltip="Optimizer steps this node runs (> 0)."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, step=1,
+                             tooltip="Seeds data order, timesteps and noise for a new run; a continued run keeps the state's generator."),
+                io.String.Input("name", default="precision_lora", tooltip="File-name prefix of checkpoints in output/precision_lora/checkpoints."),
+                TrainSettingsType.Input("settings", optional=True, tooltip="From PrecisionTrainSettings; defaults when not connected."),
+                io.Conditioning.Input("class_conditioning", optional=True, tooltip="Class prompt (without trigger) for DOP."),
+                TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
+                io.String.Input("resume_from", default="", optional=True,
+                                tooltip="Checkpoint file name in output/precision_lora/checkpoints to resume from (empty = none)."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The model with the trained LoRA active."),
+                TrainingStateType.Output(display_name="training_state", tooltip="Connect to the next PrecisionTrainLoRA to continue."),
+                LossMapType.Output(display_name="loss_map", tooltip="Loss history of the whole run ({'loss': [...]})."),
+                io.Int.Output(display_name="steps", tooltip="Optimizer steps done in the whole run."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
+                training_state=None, resume_from=None) -> io.NodeOutput:
+        model, steps, seed, name = model[0], steps[0], seed[0], name[0]
+        cfg = _flat(settings, TrainSettings())
+        state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
+        try:
+            cfg.validate()
+            _check_name(name)
+            if state is not None and resume:
+                raise ValueError("input 'resume_from' and input 'training_state' are both set; use one of them")
+        except ValueError as exc:
+            raise _node_error("PrecisionTrainLoRA", exc) from exc
+        if resume:
+            state = load_state(resolve_resume(resume))
+        out, lora_set = fork_lora(model)
+        hidden = getattr(cls, "hidden", None)
+        node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
+        start = state.step if state is not None else 0
+        job = start_job(node_id, prompt_id, [] if state is None else [
+            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history])
+        hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
+                      save_checkpoint=checkpoint_writer(out, lora_set, name))
+        try:
+            result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks)
+        finally:
+            job.running = False
+        checkpoint = result.checkpoints[-1] if result.checkpoints else None
+        _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
+                                            "stopped": result.stopped, "checkpoint": checkpoint})
+        if result.reason == "interrupt":
+            mm.throw_exception_if_processing_interrupted()
+        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
+
+
+def _check_name(name: str) -> None:
+    bad = [c for c in ("/", "\\", "..", "\x00") if c in name]
+    if not name.strip() or bad:
+        raise ValueError(f"input 'name'={name!r} must be a plain file-name prefix (no {bad or 'empty name'})")
+
+
+def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
+         state: TrainingState | None, hooks: Hooks):
+    with training_session(model, lora_set, cfg) as device:
+        samples = build_samples(model, latents, conditioning, class_conditioning, device)
+        fns = model_fns(model, lora_set, cfg, device)
+        try:
+            return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks)
+        except ValueError as exc:
+            raise _node_error("PrecisionTrainLoRA", exc) from exc
+
+
+NODES = [PrecisionTrainSettings, PrecisionTrainLoRA]

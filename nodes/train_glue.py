@@ -1,0 +1,271 @@
+"""ComfyUI glue for training: model -> ModelFns, data -> Samples, model management, job control.
+
+Everything ComfyUI-specific that the pure loop (``training.loop``) needs is built here:
+- ``model_fns``: predict / sigma_of_u / noise_latent / target from the model's own ``model_sampling``
+  (velocity for flow models, noise for eps/v models) and ``apply_model`` with the patcher's
+  ``transformer_options`` (so the attention override applies during training);
+- ``training_session``: load through ComfyUI's model management, freeze base weights, autograd on,
+  in-place-safe saved tensors on Flux-like families, optional block checkpointing; unload afterwards;
+- ``fork_lora``: the output MODEL gets its own copy of the LoRA set, so a chained node never mutates
+  the LoRA of an upstream (cached) output;
+- ``TrainJob``: the running job's control flags and loss history for the HTTP routes.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+import comfy.model_management as mm
+import comfy.model_sampling as cms
+
+from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIX, TrainingState, state_path_for, write_checkpoint
+from ..training.grad import autograd_enabled, checkpoint_blocks, clone_saved_tensors, find_block_lists
+from ..training.guard import assert_finite
+from ..training.lora import LoRASet
+from ..training.lora_file import default_key_style, lora_state_dict, save_lora_file
+from ..training.loop import ModelFns
+from ..training.settings import TrainSettings
+from .lora_glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
+from .model_info import describe_model
+
+log = logging.getLogger(__name__)
+
+# Families whose blocks add residuals in place (COMFYUI.md §4); unknown families are treated the same.
+CLEAN_FAMILIES = {"cosmos_predict2", "qwen_image", "wan", "lumina2", "sd3"}
+BLOCK_LISTS = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "layers", "joint_blocks")
+
+
+def flow_kind(model_sampling: Any) -> str:
+    """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM). ValueError otherwise."""
+    if isinstance(model_sampling, cms.CONST):
+        return "rflow"
+    if isinstance(model_sampling, cms.COSMOS_RFLOW):
+        return "cosmos"
+    if isinstance(model_sampling, cms.X0):
+        raise ValueError("[Precision LoRA] PrecisionTrainLoRA: x0-prediction models are not supported for training")
+    if isinstance(model_sampling, cms.EPS):
+        return "eps"
+    raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: unsupported model sampling {type(model_sampling).__name__}")
+
+
+def resolve_target(settings: TrainSettings, kind: str) -> str:
+    target = settings.target
+    if target == "auto":
+        return "noise" if kind == "eps" else "velocity"
+    if target == "velocity" and kind == "eps":
+        raise ValueError("[Precision LoRA] PrecisionTrainSettings: target='velocity' needs a flow-matching model; "
+                         "this model predicts noise: use target 'auto' or 'noise'")
+    return target
+
+
+def _bcast(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
+    return sigma.view(sigma.shape[0], *([1] * (ndim - 1)))
+
+
+def model_fns(model: Any, lora_set: LoRASet, settings: TrainSettings, device: torch.device) -> ModelFns:
+    """The model as pure callables for ``training.loop.train`` (see ``ModelFns`` for shapes)."""
+    base = model.model
+    ms = base.model_sampling
+    kind = flow_kind(ms)
+    target_kind = resolve_target(settings, kind)
+    topts = model.model_options.get("transformer_options", {})
+    in_place_fix = describe_model(model).family not in CLEAN_FAMILIES
+
+    def flow_time(sigma: torch.Tensor) -> torch.Tensor:
+        return sigma / (sigma + 1.0) if kind == "cosmos" else sigma
+
+    def denoised(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        ctx = clone_saved_tensors() if in_place_fix else contextlib.nullcontext()
+        with ctx:
+            return base.apply_model(x_t, sigma, transformer_options=dict(topts), **cond).float()
+
+    def predict(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        x0_hat = denoised(x_t, sigma, cond)
+        s = _bcast(sigma, x_t.ndim)
+        if target_kind == "noise":
+            return (x_t - x0_hat) / s
+        return (ms.calculate_input(sigma, x_t) - x0_hat) / _bcast(flow_time(sigma), x_t.ndim)
+
+    def predict_base(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        saved = {p: a.multiplier for p, a in lora_set.adapters().items()}
+        lora_set.set_multiplier(0.0)
+        try:
+            return predict(x_t, sigma, cond)
+        finally:
+            for p, a in lora_set.adapters().items():
+                a.multiplier = saved[p]
+
+    def sigma_of_u(u: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in u], dtype=torch.float32,
+                            device=device)
+
+    def noise_latent(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return ms.noise_scaling(_bcast(sigma, x0.ndim), noise, x0)
+
+    def target(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return noise if target_kind == "noise" else noise - x0
+
+    from comfy.samplers import cond_cat
+
+    return ModelFns(predict=predict, predict_base=predict_base, sigma_of_u=sigma_of_u, noise_latent=noise_latent,
+                    target=target, collate=lambda conds: cond_cat(conds), device=device)
+
+
+def fork_lora(model: Any, node: str = "PrecisionTrainLoRA") -> tuple[Any, LoRASet]:
+    """A clone of ``model`` whose attached LoRA set is a fresh copy (same values, dropout RNG, config).
+
+    Object patches holding adapters of the old set are rebuilt to hold the copy's adapters; adapters of
+    other LoRA sets stacked on the same layer (e.g. a loaded LoRA) are kept as they are.
+    """
+    old = model.get_attachment(ATTACHMENT_KEY)
+    if old is None:
+        raise ValueError(f"[Precision LoRA] {node}: the model has no LoRA attached; "
+                         "put PrecisionAttachLoRA between the model loader and this node")
+    with torch.inference_mode(False):
+        shapes = {p: (a.in_features, a.out_features) for p, a in old.adapters().items()}
+        new = LoRASet(old.config, shapes)
+        new.load_state_dict(old.state_dict())
+        new.to(next(old.parameters()).device)
+        for dev, gen in getattr(old.rng, "_gens", {}).items():
+            new.rng.get(torch.device(dev)).set_state(gen.get_state())
+    swap = {id(a): b for a, b in zip(old.adapters().values(), new.adapters().values())}
+    out = model.clone()
+    for key, patch in list(out.object_patches.items()):
+        if isinstance(patch, LoRAForward) and any(id(a) in swap for a in patch.adapters):
+            out.object_patches[key] = LoRAForward(patch.module, [swap.get(id(a), a) for a in patch.adapters])
+    out.set_attachments(ATTACHMENT_KEY, new)
+    return out, new
+
+
+def _unload(model: Any) -> None:
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        if mm.current_loaded_models[i].model is model:
+            mm.current_loaded_models[i].model_unload()
+            mm.current_loaded_models.pop(i)
+    mm.soft_empty_cache()
+
+
+@contextlib.contextmanager
+def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
+    """Load ``model`` (with its object patches) through model management, freeze the base weights, enable
+    autograd and (optionally) checkpoint blocks for the body; undo all of it on exit. Yields the device."""
+    mm.load_models_gpu([model], force_full_load=True)
+    device = model.load_device
+    dm = model.model.diffusion_model
+    frozen = [(p, p.requires_grad) for p in dm.parameters()]
+    lora_set.to(device)
+    try:
+        with autograd_enabled():
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            blocks = find_block_lists(dm, BLOCK_LISTS) if settings.gradient_checkpointing else []
+            with checkpoint_blocks(blocks):
+                yield device
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        _unload(model)
+
+
+class TrainJob:
+    """The training job that runs now (or ran last): control requests from HTTP and its loss history."""
+
+    def __init__(self, node_id: str | None, prompt_id: str | None, points: list[dict]) -> None:
+        self.node_id, self.prompt_id = node_id, prompt_id
+        self.points = list(points)
+        self.running = True
+        self.step = points[-1]["step"] if points else 0
+        self._requests: list[str] = []
+        self._lock = threading.Lock()
+
+    def request(self, action: str) -> None:
+        with self._lock:
+            self._requests.append(action)
+
+    def take_request(self) -> str | None:
+        with self._lock:
+            if not self._requests:
+                return None
+            return "stop" if "stop" in self._requests else self._requests.pop(0)
+
+    def add_point(self, point: dict) -> None:
+        with self._lock:
+            self.points.append(point)
+            self.step = point["step"]
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"running": self.running, "node_id": self.node_id, "prompt_id": self.prompt_id,
+                    "points": [dict(p) for p in self.points]}
+
+
+_current: dict[str, TrainJob | None] = {"job": None}
+
+
+def start_job(node_id: str | None, prompt_id: str | None, points: list[dict]) -> TrainJob:
+    job = TrainJob(node_id, prompt_id, points)
+    _current["job"] = job
+    return job
+
+
+def current_job() -> TrainJob | None:
+    return _current["job"]
+
+
+# ---- checkpoint files in the output folder ----
+
+CHECKPOINT_SUBDIR = ("precision_lora", "checkpoints")
+
+
+def checkpoint_dir() -> str:
+    import folder_paths
+
+    return os.path.join(folder_paths.get_output_directory(), *CHECKPOINT_SUBDIR)
+
+
+def _free_base(folder: str, stem: str) -> str:
+    base, n = os.path.join(folder, stem), 1
+    while os.path.exists(base + LORA_SUFFIX) or os.path.exists(base + STATE_SUFFIX):
+        base, n = os.path.join(folder, f"{stem}_{n}"), n + 1
+    return base
+
+
+def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[TrainingState, str], str]:
+    """``save_checkpoint`` hook: ``<output>/precision_lora/checkpoints/<name>_s<step>.{state.pt,safetensors}``.
+
+    The LoRA file has the ``PrecisionSaveLoRA`` keys and metadata (plus the step and the reason)."""
+    family = describe_model(model).family
+
+    def save(state: TrainingState, reason: str) -> str:
+        folder = checkpoint_dir()
+
+        def write_lora(path: str) -> str:
+            tensors = lora_state_dict(lora_set, default_key_style(family), "fp32")
+            assert_finite(tensors, f"LoRA checkpoint {os.path.basename(path)}")
+            md = build_lora_metadata(model, lora_set, {"ss_steps": state.step, "precision_lora_checkpoint": reason})
+            return save_lora_file(path, tensors, md)
+
+        return write_checkpoint(_free_base(folder, f"{name}_s{state.step:06d}"), state, write_lora)
+
+    return save
+
+
+def resolve_resume(name: str) -> str:
+    """Path of the state file for ``name`` (a checkpoint's LoRA or state file name inside the checkpoint
+    folder). ValueError for names outside that folder or missing files."""
+    folder = os.path.realpath(checkpoint_dir())
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} must be a file name "
+                         f"inside {folder}, not a path")
+    path = os.path.realpath(os.path.join(folder, state_path_for(name)))
+    if os.path.commonpath([folder, path]) != folder:
+        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} leaves {folder}")
+    if not os.path.isfile(path):
+        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r}: no checkpoint state "
+                         f"{os.path.basename(path)} in {folder}; use a name listed there or leave it empty")
+    return path
