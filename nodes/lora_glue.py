@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
+import comfy.ops
 import torch
 
 from ..training.lora import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
@@ -37,8 +38,6 @@ class LoRAForward:
         self.adapters = tuple(adapters)
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        import comfy.ops
-
         comfy.ops.run_every_op()
         m = self.module
         for a in self.adapters:
