@@ -107,8 +107,9 @@ def test_load_lora_applies_recorded_scale_like_patch_attention_by_hand(glue, cfg
     path = save(model, "attn/scaled")
     loaded = node("PrecisionLoadLoRA").execute(base, lora_name(path), **LOAD_ARGS).result[0]
     assert attention_glue.get_attention_config(loaded) == scaled
-    by_hand = attention_glue.patch_attention(
-        node("PrecisionLoadLoRA").execute(base, lora_name(path), **{**LOAD_ARGS, "attention": "ignore"}).result[0], scaled)
+    lora_only = node("PrecisionLoadLoRA").execute(base, lora_name(path), **{**LOAD_ARGS, "attention": "ignore"}).result[0]
+    by_hand = node("PrecisionPatchAttention").execute(lora_only, backend="auto", scale_mode="multiplier", scale_value=1.7,
+                                                      stable_beta=2.0, softclamp=0.0, fp32_softmax=False).result[0]
     out = denoise(loaded)
     assert torch.equal(out, denoise(by_hand))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
