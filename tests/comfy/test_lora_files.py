@@ -190,3 +190,18 @@ def test_load_lora_bad_files(glue, cfg_cls):
     for mode in ("fp32", "merge"):
         with pytest.raises(ValueError, match=r"PrecisionLoadLoRA: lora_name 'bad/cosmos_00001_.safetensors': none of its .* keys"):
             node("PrecisionLoadLoRA").execute(base, lora_name(cosmos_lora), **{**LOAD_ARGS, "mode": mode})
+
+
+def test_trainer_info_and_attention_reach_the_metadata(glue, cfg_cls, attn):
+    from training.lora_file import read_lora_file
+
+    attention_glue, AttentionConfig = attn
+    model = trained(glue, cfg_cls, attention_glue.patch_attention(tiny_cosmos(), AttentionConfig(scale_mode="absolute",
+                                                                                                 scale_value=0.25)))
+    glue.get_lora_set(model).info.update({"ss_steps": "7", "ss_training_started_at": "123.0"})
+    _t, md = read_lora_file(save(model, "meta/info", save_dtype="fp16"))
+    assert md["ss_steps"] == "7" and md["ss_training_started_at"] == "123.0"
+    assert float(md["ss_attn_softmax_scale"]) == 0.25 and md["ss_attn_scale_mode"] == "absolute"
+    assert md["ss_key_style"] == "diffusion_model" and md["ss_save_dtype"] == "fp16"
+    assert float(md["ss_training_finished_at"]) > 0 and md["precision_lora_version"]
+    assert AttentionConfig.from_metadata(md) == AttentionConfig(scale_mode="absolute", scale_value=0.25)

@@ -114,3 +114,13 @@ def test_peft_names_and_missing_alpha_use_comfy_rule():
         sd[f"diffusion_model.{path}.lora_B.weight"] = a.up.detach()
     parsed = parse_lora_tensors(sd, SHAPES)
     assert all(f.scale == 1.0 for f in parsed.values())  # no .alpha -> scale 1.0, as ComfyUI does
+
+
+def test_pack_version_matches_pyproject():
+    import re
+
+    from training.lora_file import PACK_VERSION
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == PACK_VERSION
