@@ -94,12 +94,12 @@ def _bias_logits(case: str, rows: int, keys: int, gen: torch.Generator) -> torch
     return s
 
 
-BIAS_CASES = (  # (label, logits case, emulation, V mean)
-    ("2 tied maxima, paper-style bf16 Ō", "2tied", "paper", -1.5),
-    ("4 tied maxima, paper-style bf16 Ō", "4tied", "paper", -1.5),
-    ("4 near-ties (<= 0.0015), kernel-style fp32 Ō", "4near", "kernel", -1.5),
-    ("control: diffuse attention", "diffuse", "paper", -1.5),
-    ("control: zero-mean V", "4tied", "paper", 0.0),
+BIAS_CASES = (  # (label, logits case, emulation, V mean, V columns)
+    ("2 tied maxima, paper-style bf16 Ō", "2tied", "paper", -1.5, 64),
+    ("4 tied maxima, paper-style bf16 Ō", "4tied", "paper", -1.5, 64),
+    ("4 near-ties (<= 0.0015), kernel-style fp32 Ō", "4near", "kernel", -1.5, 64),
+    ("control: diffuse attention", "diffuse", "paper", -1.5, 64),
+    ("control: 2 tied maxima, zero-mean V (1024 columns)", "2tied", "paper", 0.0, 1024),
 )
 
 
@@ -116,9 +116,9 @@ def bias_table(cfg: dict, keys: int = 64, seed: int = 0) -> list[dict]:
     """Per case: bias/MAE with the standard shift, with the stable shift (tau 0.00196) and tau 1e-3."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for label, case, emulate, v_mean in BIAS_CASES:
+    for label, case, emulate, v_mean, columns in BIAS_CASES:
         s = _bias_logits(case, cfg["bias_rows"], keys, gen)
-        v = v_mean + 0.5 * torch.randn(keys, 64, generator=gen)
+        v = v_mean + 0.5 * torch.randn(keys, columns, generator=gen)
         standard = _bias(s, v, StableOptions(shift=False, emulate=emulate))
         fixed = _bias(s, v, StableOptions(beta=2.0, tau=TIE_TOLERANCE, emulate=emulate))
         paper_tau = _bias(s, v, StableOptions(beta=2.0, tau=1e-3, emulate=emulate))
