@@ -85,11 +85,11 @@ def _rebuild(template: Any, tensors: Sequence[torch.Tensor]) -> tuple[list, dict
 
 
 def _prepare_input(t: torch.Tensor) -> torch.Tensor:
-    """Private copy of a block input; float inputs require grad so reentrant checkpointing keeps the graph."""
-    c = t.clone()
-    if c.is_floating_point() and not c.requires_grad:
-        c.requires_grad_(True)
-    return c
+    """Private copy of a block input (a later in-place write to the caller's tensor cannot reach the copy
+    checkpointing saves); float inputs require grad so reentrant checkpointing keeps the graph."""
+    if not t.is_floating_point() or t.requires_grad:
+        return t.clone()
+    return t.detach().clone().requires_grad_(True)
 
 
 def _checkpointed(forward: Any) -> Any:
@@ -100,7 +100,8 @@ def _checkpointed(forward: Any) -> Any:
         tensors = [_prepare_input(t) for t in tensors]
 
         def body(*ts: torch.Tensor) -> Any:
-            a, k = _rebuild(template, ts)
+            # Recomputation sees detached leaf inputs; the block adds to them in place, so give it clones.
+            a, k = _rebuild(template, [t.clone() for t in ts])
             with clone_saved_tensors():
                 return forward(*a, **k)
 

@@ -1,0 +1,172 @@
+"""PrecisionTrainLoRA on tiny real ComfyUI models: chaining, resume, cancel, NaN guard, DOP, base weights.
+
+The node's ``execute`` is called the way ComfyUI calls an ``is_input_list`` node (every input a list)
+under ``torch.inference_mode()``, like ComfyUI's executor does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
+
+FAMILIES = {"cosmos": tiny_cosmos, "flux1": tiny_flux1}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """2 shared cores: one intra-op thread is several times faster than oversubscribing them."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def mods(pack_module):
+    class M:
+        glue = pack_module("nodes.lora_glue")
+        train = pack_module("nodes.train")
+        tglue = pack_module("nodes.train_glue")
+        lora = pack_module("training.lora")
+        ckpt = pack_module("training.checkpoint")
+        Settings = pack_module("training.settings").TrainSettings
+    return M
+
+
+def _setup(mods, family: str, rank: int = 4):
+    model = FAMILIES[family]()
+    with torch.inference_mode():
+        with_lora = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=rank, alpha=rank, targets="all"))
+    return model, with_lora, make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)
+
+
+def _run(mods, model, latent, cond, steps: int, settings=None, **kw):
+    args = {"settings": [settings or mods.Settings(learning_rate=1e-3)]}
+    for key, value in kw.items():
+        args[key] = [value]
+    with torch.inference_mode():
+        out = mods.train.PrecisionTrainLoRA.execute([model], [latent], [cond], [steps], [0], ["test"], **args)
+    return out.result
+
+
+def _lora_values(model, mods) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in mods.glue.get_lora_set(model).state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["cosmos", "flux1"])
+def test_two_chained_nodes_equal_one_node(mods, family):
+    _, m, latent, cond = _setup(mods, family)
+    ref_model, ref_state, ref_losses, ref_steps = _run(mods, m, latent, cond, 10)
+    a_model, a_state, _, _ = _run(mods, m, latent, cond, 5)
+    b_model, b_state, b_losses, b_steps = _run(mods, a_model, latent, cond, 5, training_state=a_state)
+    assert (ref_steps, b_steps) == (10, 10)
+    assert b_losses["loss"] == ref_losses["loss"] and len(ref_losses["loss"]) == 10
+    ref_w, b_w = _lora_values(ref_model, mods), _lora_values(b_model, mods)
+    assert ref_w.keys() == b_w.keys() and all(torch.equal(ref_w[k], b_w[k]) for k in ref_w)
+    # functional: the first node's output LoRA was not changed by the second node
+    assert all(torch.equal(a_state.lora[k], v.cpu()) for k, v in mods.glue.get_lora_set(a_model).named_parameters())
+
+
+def test_resume_from_checkpoint_file_continues_identical_losses(mods):
+    _, m, latent, cond = _setup(mods, "flux1")
+    _, _, ref_losses, _ = _run(mods, m, latent, cond, 8)
+    settings = mods.Settings(learning_rate=1e-3, checkpoint_every=4)
+    _run(mods, m, latent, cond, 4, settings=settings)
+    job = mods.tglue.current_job()
+    name = f"test_s{job.step:06d}.safetensors"
+    names = sorted(os.listdir(mods.tglue.checkpoint_dir()))
+    newest = [n for n in names if n.startswith("test_s000004") and n.endswith(".safetensors")][-1]
+    _, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=newest)
+    assert name.startswith("test_s000004") and steps == 8
+    assert losses["loss"] == ref_losses["loss"]
+
+
+def test_cancel_writes_a_loadable_checkpoint_before_stopping(mods, pack_module, caplog):
+    import comfy.lora
+    import comfy.model_management as mm
+    import comfy_harness
+
+    model, m, latent, cond = _setup(mods, "cosmos")
+    server = comfy_harness.server()
+    original = server.send_sync
+
+    def interrupt_at_step_2(event, data, sid=None):
+        original(event, data, sid)
+        if event == "precision_lora.train_step" and data["step"] == 2:
+            mm.interrupt_current_processing(True)
+
+    server.send_sync = interrupt_at_step_2
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            _run(mods, m, latent, cond, 10, settings=mods.Settings(learning_rate=1e-3))
+    finally:
+        server.send_sync = original
+        mm.interrupt_current_processing(False)
+    done = [d for e, d, _ in server.events if e == "precision_lora.train_done"][-1]
+    assert done["stopped"] is True and done["steps"] == 2 and done["checkpoint"].endswith(".safetensors")
+    state = mods.ckpt.load_state(mods.ckpt.state_path_for(done["checkpoint"]))
+    assert state.step == 2 and len(state.history) == 2
+    tensors = comfy.utils.load_torch_file(done["checkpoint"])
+    key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+    with caplog.at_level(logging.WARNING):
+        patches = comfy.lora.load_lora(tensors, key_map)
+    assert not [r for r in caplog.records if "not loaded" in r.getMessage()]
+    assert len(patches) == len(mods.glue.get_lora_set(m).adapters())
+
+
+def test_injected_nan_is_caught_and_nothing_non_finite_is_saved(mods):
+    _, m, latent, cond = _setup(mods, "flux1")
+    block = m.model.diffusion_model.double_blocks[0]
+    calls = {"n": 0}
+
+    def blow_up(module, args, output):
+        calls["n"] += 1
+        if calls["n"] in (3, 4, 5):  # forwards of optimizer steps 3..5
+            return tuple(o * float("nan") for o in output)
+        return output
+
+    handle = block.register_forward_hook(blow_up)
+    try:
+        settings = mods.Settings(learning_rate=1e-3, nan_patience=3, checkpoint_every=1)
+        out, state, losses, steps = _run(mods, m, latent, cond, 7, settings=settings)
+    finally:
+        handle.remove()
+    assert [p["step"] for p in state.history if p["skipped"]] == [3, 4, 5]
+    assert state.rollbacks == 1 and steps == 7 and len(losses["loss"]) == 4
+    folder = mods.tglue.checkpoint_dir()
+    for name in os.listdir(folder):
+        if name.endswith(".state.pt"):
+            saved = mods.ckpt.load_state(os.path.join(folder, name))
+            assert all(torch.isfinite(v).all() for v in saved.lora.values()), name
+    assert all(torch.isfinite(v).all() for v in _lora_values(out, mods).values())
+
+
+def test_dop_term_is_zero_at_init_and_positive_after_training(mods):
+    model, m, latent, cond = _setup(mods, "cosmos")
+    class_cond = make_conditioning(model, 1, text="a photo of a person")
+    settings = mods.Settings(learning_rate=3e-3, dop_multiplier=1.0)
+    _, state, _, _ = _run(mods, m, latent, cond, 6, settings=settings, class_conditioning=class_cond)
+    dops = [p["dop"] for p in state.history]
+    assert dops[0] == 0.0
+    assert dops[-1] > 0.0
+
+
+def test_base_weights_bit_identical_and_forwards_restored(mods):
+    model, m, latent, cond = _setup(mods, "flux1")
+    dm = model.model.diffusion_model
+    before = {k: v.clone() for k, v in dm.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in dm.named_parameters()}
+    settings = mods.Settings(learning_rate=1e-2, gradient_checkpointing=True)
+    out, state, losses, _ = _run(mods, m, latent, cond, 3, settings=settings)
+    after = dm.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert flags == {n: p.requires_grad for n, p in dm.named_parameters()}
+    # LoRA object patches and checkpoint wrappers are gone (ComfyUI's unpatch may leave the original bound method)
+    leftovers = [n for n, mod in dm.named_modules()
+                 if "forward" in mod.__dict__ and getattr(mod.__dict__["forward"], "__func__", None) is not type(mod).forward]
+    assert leftovers == []
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in state.lora.items() if "up" in k)
