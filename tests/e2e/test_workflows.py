@@ -1,0 +1,193 @@
+"""The example workflows: each UI file and its API twin describe the same graph, and every twin runs on
+the tiny demo models on the real server (training produces the LoRA that inference and the probe load)."""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors import safe_open
+
+pytestmark = pytest.mark.e2e
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WF = os.path.join(ROOT, "workflows")
+UI_FILES = sorted(glob.glob(os.path.join(WF, "*.json")))
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+DEMO_LORA = "precision_lora/demo_lora.safetensors"
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _is_widget(spec: list) -> bool:
+    kind, opts = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+    if isinstance(kind, list):
+        return True
+    return kind in WIDGET_TYPES and not opts.get("forceInput")
+
+
+def _has_control_widget(name: str, spec: list) -> bool:
+    """The frontend adds a 'control after generate' widget (one more widgets_values entry) to INT inputs
+    with control_after_generate, or, when the spec does not say, to INT inputs named seed / noise_seed;
+    and to combos that ask for it."""
+    kind, opts = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
+    flag = opts.get("control_after_generate")
+    if kind == "INT":
+        return bool(flag) if flag is not None else name in ("seed", "noise_seed")
+    return bool(flag)
+
+
+def ui_to_api(workflow: dict, object_info: dict) -> dict:
+    """The API prompt a UI-format workflow stands for, from ComfyUI's node schemas (no frontend)."""
+    links = {link[0]: link for link in workflow["links"]}
+    out = {}
+    for node in workflow["nodes"]:
+        if node["type"] in FRONTEND_ONLY or node.get("mode", 0) in (2, 4):
+            continue
+        assert node["type"] in object_info, f"node type {node['type']} unknown to the server"
+        info = object_info[node["type"]]
+        specs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
+        order = info.get("input_order") or {k: list(v) for k, v in info["input"].items() if k != "hidden"}
+        names = [*order.get("required", []), *order.get("optional", [])]
+        values = list(node.get("widgets_values") or [])
+        inputs, i = {}, 0
+        for name in names:
+            if _is_widget(specs[name]):
+                assert i < len(values), f"node {node['id']} ({node['type']}): no widget value for {name}"
+                inputs[name] = values[i]
+                i += 1 + int(_has_control_widget(name, specs[name]))
+        assert i == len(values), f"node {node['id']} ({node['type']}): {len(values)} widget values, schema uses {i}"
+        for slot in node.get("inputs", []):
+            if slot.get("link") is not None:
+                link = links[slot["link"]]
+                assert link[3] == node["id"], f"link {link[0]} does not end at node {node['id']}"
+                inputs[slot["name"]] = [str(link[1]), link[2]]
+        out[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return out
+
+
+def strip_meta(prompt: dict) -> dict:
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in prompt.items()}
+
+
+def test_workflow_set_is_complete():
+    names = sorted(os.path.basename(p) for p in UI_FILES)
+    assert {"train_lora.json", "inference_matching_scale.json"} <= set(names)
+    assert names == sorted(os.path.basename(p) for p in glob.glob(os.path.join(WF, "api", "*.json"))), \
+        "every UI workflow has an API twin under workflows/api and vice versa"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=os.path.basename)
+def test_ui_file_and_api_twin_describe_the_same_graph(server, path):
+    workflow = _load(path)
+    twin = _load(os.path.join(WF, "api", os.path.basename(path)))
+    info = server.object_info()
+    converted = ui_to_api(workflow, info)
+    assert sorted(converted) == sorted(twin), "same node ids"
+    for node_id, node in converted.items():
+        assert node["class_type"] == twin[node_id]["class_type"], node_id
+        assert node["inputs"] == twin[node_id]["inputs"], f"node {node_id} ({node['class_type']})"
+    # only core and pack nodes: every type is known to a server that has nothing but this pack
+    for node in workflow["nodes"]:
+        assert node["type"] in info or node["type"] in FRONTEND_ONLY, node["type"]
+    # the canvas explains itself
+    notes = [n for n in workflow["nodes"] if n["type"] in ("Note", "MarkdownNote")]
+    assert notes and all(len(n["widgets_values"][0]) > 80 for n in notes)
+
+
+def test_converter_catches_a_changed_widget_value_and_a_rewired_link(server):
+    """The equality check above can fail: a one-value or one-link change is seen."""
+    info = server.object_info()
+    workflow = _load(os.path.join(WF, "inference_matching_scale.json"))
+    twin = strip_meta(_load(os.path.join(WF, "api", "inference_matching_scale.json")))
+    changed = copy.deepcopy(workflow)
+    ks = next(n for n in changed["nodes"] if n["type"] == "KSampler")
+    ks["widgets_values"][2] += 1  # steps (after seed and its control value)
+    assert ui_to_api(changed, info) != twin
+    rewired = copy.deepcopy(workflow)
+    link = next(lk for lk in rewired["links"] if lk[4] == 0 and lk[3] == ks["id"])  # KSampler.model
+    link[1] = next(n["id"] for n in rewired["nodes"] if n["type"] == "PrecisionLoadDiffusionModel")
+    assert ui_to_api(rewired, info) != twin
+    assert ui_to_api(workflow, info) == twin
+
+
+# ---- the twins run ------------------------------------------------------------------------------------
+
+TRAIN_SCALE_MULTIPLIER = 0.8  # not the default, so "the recorded scale is applied" is observable
+
+
+def _nodes_of(prompt: dict, class_type: str) -> list[str]:
+    return sorted((k for k, v in prompt.items() if v["class_type"] == class_type), key=int)
+
+
+@pytest.fixture(scope="module")
+def trained(comfy_server):
+    """Runs the training twin (fewer steps, a non-default scale); returns (entry, prompt, lora path)."""
+    prompt = _load(os.path.join(WF, "api", "train_lora.json"))
+    for nid in _nodes_of(prompt, "PrecisionTrainLoRA"):
+        prompt[nid]["inputs"]["steps"] = 3
+    att = _nodes_of(prompt, "PrecisionPatchAttention")[0]
+    prompt[att]["inputs"]["scale_mode"] = "multiplier"
+    prompt[att]["inputs"]["scale_value"] = TRAIN_SCALE_MULTIPLIER
+    entry = comfy_server.run(prompt, timeout=600)
+    path = os.path.join(comfy_server.base_dir, "models", "loras", *DEMO_LORA.split("/"))
+    return entry, prompt, path
+
+
+def test_training_twin_writes_the_lora_with_its_attention_settings(server, trained):
+    entry, prompt, path = trained
+    assert os.path.isfile(path), f"no LoRA at {path}"
+    with safe_open(path, "pt") as f:
+        md = f.metadata()
+        keys = list(f.keys())
+    assert any(k.startswith("lora_unet_") for k in keys), keys[:5]  # kohya keys for Flux
+    head_dim = 32  # tiny Flux.1: hidden 64, 2 heads
+    assert math.isclose(float(md["ss_attn_softmax_scale"]), TRAIN_SCALE_MULTIPLIER / math.sqrt(head_dim), rel_tol=1e-9)
+    assert md["ss_network_dim"] == str(prompt[_nodes_of(prompt, "PrecisionAttachLoRA")[0]]["inputs"]["rank"])
+    assert md["ss_lora_fp32_accumulation"].lower() == "true"
+    # the preview and the learning curve were produced
+    images = [img for out in entry["outputs"].values() for img in out.get("images", [])]
+    assert len(images) >= 2, entry["outputs"]
+    # the metadata route the loader's panel uses reports it
+    status, body = server.get("/precision_lora/lora/metadata?name=" + DEMO_LORA.replace("/", "%2F"))
+    assert status == 200, body
+    assert body["summary"]["rank"] == md["ss_network_dim"]
+    assert body["summary"]["softmax_scale"] == md["ss_attn_softmax_scale"]
+
+
+def _saved_image(server, entry: dict, node_id: str) -> np.ndarray:
+    img = entry["outputs"][node_id]["images"][0]
+    return np.asarray(Image.open(server.output_path(img["subfolder"], img["filename"])))
+
+
+def test_inference_twin_uses_the_trained_lora_and_its_scale(server, trained):
+    prompt = _load(os.path.join(WF, "api", "inference_matching_scale.json"))
+    save = _nodes_of(prompt, "SaveImage")[0]
+    loader = _nodes_of(prompt, "PrecisionLoadLoRA")[0]
+    assert prompt[loader]["inputs"]["lora_name"] == DEMO_LORA
+    with_lora = _saved_image(server, server.run(prompt), save)
+    assert with_lora.shape == (64, 64, 3)
+    ignored = copy.deepcopy(prompt)
+    ignored[loader]["inputs"]["attention"] = "ignore"
+    ignored[save]["inputs"]["filename_prefix"] = "precision_lora/inference_ignore"
+    without_scale = _saved_image(server, server.run(ignored), save)
+    assert not np.array_equal(with_lora, without_scale), "the recorded softmax scale changed nothing"
+
+
+def test_probe_twin_runs_on_the_trained_lora(server, trained):
+    prompt = _load(os.path.join(WF, "api", "precision_probe.json"))
+    entry = server.run(prompt)
+    probe = _nodes_of(prompt, "PrecisionProbe")[0]
+    preview = _nodes_of(prompt, "PreviewImage")[0]
+    text = entry["outputs"][probe]["text"]
+    assert text and len("".join(text)) > 40, entry["outputs"][probe]
+    assert entry["outputs"][preview]["images"], entry["outputs"]

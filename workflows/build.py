@@ -1,0 +1,317 @@
+"""Regenerate the example workflows (UI format) and their API-format twins with the real ComfyUI frontend.
+
+    .venv/bin/python workflows/build.py [--server http://127.0.0.1:8188] [name ...]
+
+The graphs are described once, below, by node type, widget values *by name*, links by input name and
+canvas positions. The page of a running ComfyUI (started here on tiny demo models unless --server is
+given) builds each graph with LiteGraph, then ``graph.serialize()`` gives the UI file and
+``app.graphToPrompt()`` its API twin, exactly as the frontend would save / queue them.
+tests/e2e/test_workflows.py checks that the committed pairs still agree and run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+DEMO_MODEL = "precision_tiny_flux1_dev.safetensors"
+DEMO_LORA = "precision_lora/demo_lora.safetensors"  # what train_lora.json saves, what the others load
+
+SWAP_NOTE = (
+    "Demo stand-ins (so this graph runs on the tiny demo model with no text encoder or VAE):\n"
+    "- Demo Latent -> for real training: Load Image -> VAE Encode (your model's VAE), one latent per image,\n"
+    "  or a dataset loader that outputs LATENT.\n"
+    "- Demo Conditioning -> CLIP Text Encode with your model's text encoders (Flux: DualCLIPLoader\n"
+    "  clip_l + t5xxl, type flux), your caption with the trigger word.\n"
+    "- Demo Latent Preview -> VAE Decode with VAE Loader (Flux: ae.safetensors).\n"
+    "- Load Diffusion Model: pick your model file in models/diffusion_models."
+)
+
+TRAIN_NOTE = (
+    "Train a LoRA in the graph\n\n"
+    "1. Patch Attention: the softmax scale used for every attention call while training. 'default' is\n"
+    "   1/sqrt(head_dim); 'multiplier' scales that; 'absolute' sets it. The resolved value is shown on the\n"
+    "   node and recorded in the saved LoRA (ss_attn_softmax_scale), so inference can match it.\n"
+    "2. Attach LoRA: rank/alpha and target layers. fp32_accumulation keeps the low-rank path in fp32 and\n"
+    "   adds it before the output is rounded (small updates survive a bf16 model).\n"
+    "3. Train Settings: optimizer, learning rate schedule, timestep sampling, checkpoints, NaN policy.\n"
+    "4. Train LoRA (first): N steps. The chart on the node shows the loss live; Stop ends early and keeps\n"
+    "   the LoRA so far; Checkpoint now writes a checkpoint after the current step.\n"
+    "5. KSampler + preview: a look at the model with the LoRA half-way.\n"
+    "6. Train LoRA (second): continues the same training state (same optimizer, same loss sequence).\n"
+    "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata);\n"
+    "   Loss Graph saves the learning curve."
+)
+
+INFER_NOTE = (
+    "Use a trained LoRA exactly as it was trained\n\n"
+    "Load LoRA (Precision) reads the attention settings recorded in the file (softmax scale, backend) and\n"
+    "applies them: attention='apply_recorded'. The panel on the node lists rank, alpha, steps, softmax\n"
+    "scale, backend and base model of the chosen file. mode='fp32' keeps the LoRA unmerged in fp32\n"
+    "(exact); 'merge' folds it into the weights (faster, rounds to the model dtype).\n"
+    "Run train_lora.json first: it writes " + DEMO_LORA + ", which this graph loads."
+)
+
+PROBE_NOTE = (
+    "Precision probe\n\n"
+    "Measures on your own model and data: how much of the LoRA's signal a bf16 model loses, how saturated\n"
+    "attention is, and how often the softmax's largest probability rounds to exactly 1. Connect the model\n"
+    "you train (with the LoRA attached or loaded) and latents + conditioning of your images. The report is\n"
+    "shown on the node and as a chart image."
+)
+
+
+def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None, **extra):
+    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
+            "control": control or {}, **extra}
+
+
+def _note(id_, pos, size, text):
+    return _node(id_, "Note", pos, {"text": text}, size=size)
+
+
+def inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"}),
+            _node(2, "PrecisionLoadLoRA", [420, 120], {
+                "lora_name": DEMO_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0},
+                size=[340, 420]),
+            _node(3, "PrecisionDemoConditioning", [420, 600], {"text": "a photo of sks", "seed": 0, "tokens": 8},
+                  control={"seed": "fixed"}),
+            _node(4, "PrecisionDemoLatent", [40, 380], {"width": 64, "height": 64, "batch_size": 1, "seed": 0},
+                  control={"seed": "fixed"}),
+            _node(5, "KSampler", [820, 120], {
+                "seed": 7, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+                control={"seed": "fixed"}),
+            _node(6, "PrecisionDemoPreview", [1160, 120]),
+            _node(7, "SaveImage", [1160, 260], {"filename_prefix": "precision_lora/inference"}, size=[300, 320]),
+            _note(8, [40, 640], [360, 300], INFER_NOTE),
+            _note(9, [820, 520], [640, 200], SWAP_NOTE),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 5, "model"), (1, 0, 3, "model"), (1, 0, 4, "model"),
+            (3, 0, 5, "positive"), (3, 0, 5, "negative"), (4, 0, 5, "latent_image"),
+            (5, 0, 6, "samples"), (6, 0, 7, "images"),
+        ],
+    }
+
+
+def probe_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "bf16"}),
+            _node(2, "PrecisionLoadLoRA", [420, 120], {
+                "lora_name": DEMO_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0},
+                size=[340, 420]),
+            _node(3, "PrecisionDemoConditioning", [420, 600], {"text": "a photo of sks", "seed": 0, "tokens": 8},
+                  control={"seed": "fixed"}),
+            _node(4, "PrecisionDemoLatent", [40, 380], {"width": 64, "height": 64, "batch_size": 1, "seed": 0},
+                  control={"seed": "fixed"}),
+            _node(5, "PrecisionProbe", [820, 120], {"noise_level": 0.5, "seed": 0, "max_rows": 256},
+                  control={"seed": "fixed"}, size=[420, 360]),
+            _node(6, "PreviewImage", [1280, 120], size=[360, 360]),
+            _note(7, [40, 640], [360, 220], PROBE_NOTE),
+            _note(8, [820, 520], [640, 200], SWAP_NOTE),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 5, "model"), (1, 0, 3, "model"), (1, 0, 4, "model"),
+            (4, 0, 5, "latent"), (3, 0, 5, "conditioning"), (5, 1, 6, "images"),
+        ],
+    }
+
+
+def train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"}),
+            _node(2, "PrecisionPatchAttention", [40, 300], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[320, 300]),
+            _node(3, "PrecisionAttachLoRA", [400, 120], {"rank": 4, "alpha": 4.0, "seed": 0},
+                  control={"seed": "fixed"}, size=[320, 480]),
+            _node(4, "PrecisionTrainSettings", [400, 640], {}, size=[320, 520]),
+            _node(5, "PrecisionDemoLatent", [40, 640], {"width": 64, "height": 64, "batch_size": 2, "seed": 0},
+                  control={"seed": "fixed"}),
+            _node(6, "PrecisionDemoConditioning", [40, 860], {"text": "a photo of sks", "seed": 0, "tokens": 8},
+                  control={"seed": "fixed"}),
+            _node(7, "PrecisionTrainLoRA", [760, 120], {"steps": 20, "seed": 0, "name": "demo_lora"},
+                  control={"seed": "fixed"}, size=[380, 460], title="Train LoRA (first N steps)"),
+            _node(8, "KSampler", [1180, 120], {
+                "seed": 7, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+                control={"seed": "fixed"}),
+            _node(9, "PrecisionDemoPreview", [1180, 420]),
+            _node(10, "PreviewImage", [1180, 540], size=[260, 260]),
+            _node(11, "PrecisionTrainLoRA", [760, 620], {"steps": 20, "seed": 0, "name": "demo_lora"},
+                  control={"seed": "fixed"}, size=[380, 460], title="Train LoRA (N more steps)"),
+            _node(12, "PrecisionSaveLoRA", [1180, 840], {
+                "filename_prefix": DEMO_LORA[: -len(".safetensors")], "folder": "loras", "save_dtype": "fp32",
+                "key_style": "auto", "use_counter": False, "overwrite": True}, size=[320, 220]),
+            _node(13, "PrecisionLossGraph", [1540, 840], {}, size=[360, 360]),
+            _node(14, "PreviewImage", [1540, 120], size=[360, 360], title="Learning curve"),
+            _note(15, [1540, 520], [480, 300], TRAIN_NOTE),
+            _note(16, [-460, 120], [460, 220], SWAP_NOTE),
+        ],
+        "links": "train",  # filled in by train_links() from the schemas of the training nodes
+    }
+
+
+SPECS = {
+    "inference_matching_scale": inference_spec,
+    "precision_probe": probe_spec,
+    "train_lora": train_spec,
+}
+
+BUILD_JS = r"""
+async (spec) => {
+  const app = window.comfyAPI.app.app;
+  const LG = window.LiteGraph;
+  await app.loadGraphData({ last_node_id: 0, last_link_id: 0, nodes: [], links: [], groups: [], config: {},
+    extra: {}, version: 0.4 }, true, false, null, { showMissingNodesDialog: false, showMissingModelsDialog: false });
+  const byId = {};
+  for (const n of spec.nodes) {
+    const node = LG.createNode(n.type);
+    if (!node) throw new Error(`node type ${n.type} is not registered`);
+    node.id = n.id;
+    app.graph.add(node);
+    if (node.id !== n.id) throw new Error(`node ${n.type} got id ${node.id}, wanted ${n.id}`);
+    for (const [name, value] of Object.entries(n.widgets)) {
+      const w = node.widgets?.find((x) => x.name === name);
+      if (!w) throw new Error(`${n.type} has no widget ${name} (has ${node.widgets?.map((x) => x.name)})`);
+      w.value = value;
+    }
+    for (const [name, value] of Object.entries(n.control)) {
+      const w = node.widgets?.find((x) => x.name === name);
+      const c = w?.linkedWidgets?.[0];
+      if (!c) throw new Error(`${n.type}.${name} has no control widget`);
+      c.value = value;
+    }
+    if (n.title) node.title = n.title;
+    node.pos = n.pos;
+    const auto = node.computeSize();
+    node.size = n.size ? [Math.max(n.size[0], auto[0]), Math.max(n.size[1], auto[1])] : auto;
+    byId[n.id] = node;
+  }
+  for (const [from, slot, to, input] of spec.links) {
+    const target = byId[to];
+    const idx = target.findInputSlot(input);
+    if (idx < 0) throw new Error(`${target.type} has no input ${input}`);
+    const link = byId[from].connect(slot, target, idx);
+    if (!link) throw new Error(`could not link ${from}:${slot} -> ${to}.${input}`);
+  }
+  app.graph.setDirtyCanvas(true, true);
+  const workflow = app.graph.serialize();
+  const { output } = await app.graphToPrompt();
+  return { workflow, api: output };
+}
+"""
+
+
+def train_links(info: dict) -> list[tuple]:
+    """Links of train_lora.json by the training nodes' input and output names (checked against object_info)."""
+    def out(node_type: str, name: str) -> int:
+        names = info[node_type]["output_name"]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+        return names.index(name)
+
+    def inp(node_type: str, name: str) -> str:
+        spec = info[node_type]["input"]
+        names = [*spec.get("required", {}), *spec.get("optional", {})]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no input {name!r} (has {names})")
+        return name
+
+    t, g = "PrecisionTrainLoRA", "PrecisionLossGraph"
+    model_out, state_out, loss_out = out(t, "model"), out(t, "training_state"), out(t, "loss_map")
+    graph_in = [n for n, spec in info[g]["input"]["required"].items() if spec[0] == info[t]["output"][loss_out]]
+    if not graph_in:
+        raise SystemExit(f"{g} has no input of type {info[t]['output'][loss_out]}")
+    graph_img = [i for i, ty in enumerate(info[g]["output"]) if ty == "IMAGE"]
+    links = [
+        (1, 0, 2, "model"), (2, 0, 3, "model"), (1, 0, 5, "model"), (1, 0, 6, "model"),
+        (3, 0, 7, inp(t, "model")), (5, 0, 7, inp(t, "latents")), (6, 0, 7, inp(t, "conditioning")),
+        (4, 0, 7, inp(t, "settings")),
+        (7, model_out, 8, "model"), (6, 0, 8, "positive"), (6, 0, 8, "negative"), (5, 0, 8, "latent_image"),
+        (8, 0, 9, "samples"), (9, 0, 10, "images"),
+        (7, model_out, 11, inp(t, "model")), (5, 0, 11, inp(t, "latents")), (6, 0, 11, inp(t, "conditioning")),
+        (4, 0, 11, inp(t, "settings")), (7, state_out, 11, inp(t, "training_state")),
+        (11, model_out, 12, "model"), (11, loss_out, 13, graph_in[0]),
+    ]
+    if graph_img:
+        links.append((13, graph_img[0], 14, "images"))
+    return links
+
+
+def _load_browser():
+    spec = importlib.util.spec_from_file_location("precision_browser",
+                                                  os.path.join(ROOT, "tests", "browser", "precision_browser.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build(names: list[str], server_url: str | None) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from server_harness import ComfyServer
+
+    server = None
+    if server_url is None:
+        server = ComfyServer.start(tempfile.mkdtemp(prefix="precision_lora_wf_"))
+        server_url = server.url
+        server.request("/settings/Comfy.TutorialCompleted", True, method="POST")
+    bmod = _load_browser()
+    browser = bmod.Browser()
+    try:
+        browser.call("goto", url=server_url + "/", waitFor=bmod.PAGE_READY, timeout=150)
+        import urllib.request
+
+        with urllib.request.urlopen(server_url + "/object_info") as r:
+            info = json.load(r)
+        os.makedirs(os.path.join(HERE, "api"), exist_ok=True)
+        for name in names:
+            spec = SPECS[name]()
+            if spec["links"] == "train":
+                spec["links"] = train_links(info)
+            result = browser.evaluate(BUILD_JS, spec)
+            workflow = result["workflow"]
+            workflow["extra"] = {"ds": {"scale": 0.7, "offset": [520, 40]}}
+            workflow["id"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfyui-precision-lora/workflows/{name}"))
+            with open(os.path.join(HERE, f"{name}.json"), "w") as f:
+                json.dump(workflow, f, indent=2)
+                f.write("\n")
+            with open(os.path.join(HERE, "api", f"{name}.json"), "w") as f:
+                json.dump(result["api"], f, indent=2)
+                f.write("\n")
+            print(f"[Precision LoRA] wrote workflows/{name}.json and workflows/api/{name}.json")
+        errors = browser.pack_errors()
+        if errors:
+            raise SystemExit("[Precision LoRA] errors from the pack's scripts:\n" + "\n".join(errors))
+    finally:
+        browser.close()
+        if server is not None:
+            server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server", help="URL of a running ComfyUI with this pack (default: start one on tiny models)")
+    ap.add_argument("names", nargs="*", default=list(SPECS), help=f"workflows to build (default: all of {list(SPECS)})")
+    args = ap.parse_args()
+    unknown = [n for n in args.names if n not in SPECS]
+    if unknown:
+        raise SystemExit(f"unknown workflow(s) {unknown}; known: {list(SPECS)}")
+    build(args.names, args.server)
+
+
+if __name__ == "__main__":
+    main()
