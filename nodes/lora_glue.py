@@ -73,10 +73,12 @@ def plan_targets(model, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
     return select_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks)
 
 
-def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]]) -> LoRASet:
-    # Nodes run under inference_mode; trainable parameters must be ordinary tensors.
+def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]], device: torch.device | None = None) -> LoRASet:
+    # Nodes run under inference_mode; trainable parameters must be ordinary tensors. They are placed on the
+    # model's load device up front, so an optimizer built on them never sees a later device move.
     with torch.inference_mode(False):
-        return LoRASet(cfg, shapes)
+        lora_set = LoRASet(cfg, shapes)
+        return lora_set if device is None else lora_set.to(device)
 
 
 def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KEY):
@@ -112,7 +114,7 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None):
             raise ValueError(
                 f"[Precision LoRA] PrecisionAttachLoRA: init_lora '{init_file}' has rank {rank} but rank={cfg.rank}: set rank to {rank}"
             )
-    lora_set = _new_lora_set(cfg, shapes)
+    lora_set = _new_lora_set(cfg, shapes, model.load_device)
     if factors:
         with torch.inference_mode(False):
             lora_set.load_factors({p: (f.down, f.up, f.scale) for p, f in factors.items()})
@@ -121,10 +123,11 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None):
     return install(model, lora_set)
 
 
-def lora_set_from_factors(factors: Mapping[str, LoRAFactors], cfg: LoRAConfig, strength: float) -> LoRASet:
+def lora_set_from_factors(factors: Mapping[str, LoRAFactors], cfg: LoRAConfig, strength: float,
+                          device: torch.device | None = None) -> LoRASet:
     """An inference LoRASet holding a file's factors at ``strength`` (frozen parameters)."""
     shapes = {p: (int(f.down.shape[1]), int(f.up.shape[0])) for p, f in factors.items()}
-    lora_set = _new_lora_set(cfg, shapes)
+    lora_set = _new_lora_set(cfg, shapes, device)
     with torch.inference_mode(False):
         lora_set.load_factors({p: (f.down, f.up, f.scale) for p, f in factors.items()})
         lora_set.requires_grad_(False)
@@ -186,7 +189,7 @@ def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, 
     for rank in sorted({f.rank for f in factors.values()}):
         group = {p: f for p, f in factors.items() if f.rank == rank}
         cfg = LoRAConfig(rank=rank, alpha=float(rank), targets="none")
-        lora_set = lora_set_from_factors(group, cfg, strength)
+        lora_set = lora_set_from_factors(group, cfg, strength, model.load_device)
         patched = install(patched, lora_set, attachment_key=None)
         loaded.append(lora_set)
     patched.set_attachments(LOADED_KEY, tuple(loaded))
