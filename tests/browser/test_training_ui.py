@@ -1,0 +1,192 @@
+"""The training workflow driven from the page like a user: drop it, press Run, watch the loss chart fill,
+reload the page mid-run (the chart comes back), press Checkpoint now and Stop; then the LoRA the run wrote
+shows its metadata on the loader of the inference workflow."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import pytest
+
+from precision_browser import (
+    CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, PAGE_READY, fit_view,
+)
+
+pytestmark = pytest.mark.browser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIRST_TRAIN, SECOND_TRAIN = 7, 11  # node ids in workflows/train_lora.json
+LONG_RUN_STEPS = 2000  # far more than the test waits for: only Stop can end it early
+DEMO_LORA = "precision_lora/demo_lora.safetensors"
+
+
+def _drop(page, name: str) -> dict:
+    with open(os.path.join(ROOT, "workflows", name)) as f:
+        text = f.read()
+    page.evaluate(CLEAR_TOASTS)
+    page.evaluate(DROP_WORKFLOW, {"name": name, "text": text})
+    want = sorted(n["id"] for n in json.loads(text)["nodes"])
+    state = page.wait_for(GRAPH_LOADED, want, timeout=60)
+    assert state["missingNodes"] == [] and state["dialogs"] == [] and state["toasts"] == [], state
+    return state
+
+
+def _chart(node_id: int) -> str:
+    return f'.precision-lora-train[data-node-id="{node_id}"]'
+
+
+CHART_STATE = """(id) => {
+  const root = document.querySelector(`.precision-lora-train[data-node-id="${id}"]`);
+  if (!root) return null;
+  return {
+    points: Number(root.querySelector("canvas").dataset.points || 0),
+    status: root.querySelector("[data-precision-status]").textContent,
+    message: root.querySelector("[data-precision-message]").textContent,
+    done: root.dataset.done === "true",
+    visible: root.offsetParent !== null,
+  };
+}"""
+
+POINTS_AT_LEAST = """([id, n]) => {
+  const root = document.querySelector(`.precision-lora-train[data-node-id="${id}"]`);
+  const p = Number(root?.querySelector("canvas")?.dataset.points || 0);
+  return p >= n ? p : false;
+}"""
+
+SET_WIDGET = """([id, name, value]) => {
+  const node = window.comfyAPI.app.app.graph.getNodeById(id);
+  const w = node.widgets.find((x) => x.name === name);
+  w.value = value;
+  return w.value;
+}"""
+
+FOCUS_NODE = """(id) => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.getNodeById(id);
+  const ds = app.canvas.ds;
+  ds.scale = 1;
+  ds.offset[0] = -node.pos[0] + 60;
+  ds.offset[1] = -node.pos[1] + 80;
+  app.canvas.setDirty(true, true);
+  return true;
+}"""
+
+
+def _wait_idle(server, timeout: float = 240) -> dict:
+    """Waits until nothing is queued or running; returns the newest history entry."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        _, queue = server.get("/queue")
+        if not queue["queue_running"] and not queue["queue_pending"]:
+            _, hist = server.get("/history?max_items=1")
+            if hist:
+                return next(iter(hist.values()))
+        time.sleep(0.5)
+    raise TimeoutError(f"queue not idle after {timeout}s:\n{server.log_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def training_run(comfy_page, comfy_server):
+    """The user's session: everything the tests below assert on is collected here, in order."""
+    page = comfy_page
+    page.console(clear=True)
+    _drop(page, "train_lora.json")
+    assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
+    assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
+    fit_view(page)
+    page.screenshot("train_01_loaded")
+    page.call("click", selector='[data-testid="queue-button"]')
+    facts = {"points_running": page.wait_for(POINTS_AT_LEAST, [FIRST_TRAIN, 10], timeout=120)}
+    page.evaluate(FOCUS_NODE, FIRST_TRAIN)
+    page.screenshot("train_02_chart_running")
+    page.screenshot("train_02_chart_widget", selector=_chart(FIRST_TRAIN))
+
+    # A reload in the middle of the run: the chart is rebuilt from the server's history.
+    before = page.evaluate(CHART_STATE, FIRST_TRAIN)["points"]
+    page.call("goto", url=comfy_server.url + "/", waitFor=PAGE_READY, timeout=150)
+    facts["points_before_reload"] = before
+    facts["points_after_reload"] = page.wait_for(POINTS_AT_LEAST, [FIRST_TRAIN, before], timeout=60)
+    page.evaluate(FOCUS_NODE, FIRST_TRAIN)
+    page.screenshot("train_03_after_reload")
+
+    page.call("click", selector=f'{_chart(FIRST_TRAIN)} button[data-precision-action="checkpoint"]')
+    facts["checkpoint_message"] = page.wait_for(
+        f"""() => {{ const t = ({CHART_STATE})({FIRST_TRAIN}).message; return /checkpoint requested/.test(t) ? t : false; }}""",
+        timeout=30)
+    now = page.evaluate(CHART_STATE, FIRST_TRAIN)["points"]
+    page.wait_for(POINTS_AT_LEAST, [FIRST_TRAIN, now + 2], timeout=60)  # the checkpoint is written between steps
+    page.call("click", selector=f'{_chart(FIRST_TRAIN)} button[data-precision-action="stop"]')
+    facts["stopped_state"] = page.wait_for(
+        f"""() => {{ const s = ({CHART_STATE})({FIRST_TRAIN}); return s && s.done ? s : false; }}""", timeout=60)
+    facts["history"] = _wait_idle(comfy_server)
+    page.screenshot("train_04_stopped", selector=_chart(FIRST_TRAIN))
+    fit_view(page)
+    page.screenshot("train_05_finished")
+    facts["checkpoints"] = sorted(glob.glob(os.path.join(comfy_server.base_dir, "output", "**", "*.safetensors"),
+                                            recursive=True))
+    facts["pack_errors"] = page.pack_errors()
+    return facts
+
+
+def test_chart_fills_while_training_runs(training_run):
+    assert training_run["points_running"] >= 10
+
+
+def test_chart_survives_a_page_reload_during_the_run(training_run):
+    assert training_run["points_before_reload"] >= 10
+    assert training_run["points_after_reload"] >= training_run["points_before_reload"]
+
+
+def test_stop_ends_the_run_early_and_the_whole_graph_completes(training_run):
+    state = training_run["stopped_state"]
+    assert "stopped" in state["status"], state
+    step = int(state["status"].split("step ")[1].split("/")[0])
+    assert 10 <= step < LONG_RUN_STEPS, state
+    status = training_run["history"]["status"]
+    assert status["status_str"] == "success", json.dumps(status)[:3000]
+
+
+def test_checkpoint_now_writes_a_checkpoint_file(training_run):
+    assert "checkpoint requested" in training_run["checkpoint_message"]
+    ckpts = [p for p in training_run["checkpoints"] if os.sep + "checkpoints" + os.sep in p]
+    assert ckpts, training_run["checkpoints"]
+    assert all(os.path.getsize(p) > 0 for p in ckpts)
+
+
+def test_no_errors_from_the_pack_scripts_during_the_run(training_run):
+    assert training_run["pack_errors"] == []
+
+
+PANEL = """() => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.nodes.find((n) => n.type === "PrecisionLoadLoRA");
+  const panel = node?.precisionLoraInfo?.panel;
+  if (!panel || panel.dataset.state !== "ready") return false;
+  const rows = {};
+  for (const td of panel.querySelectorAll("td[data-field]")) rows[td.dataset.field] = td.textContent;
+  return { id: node.id, rows, text: panel.innerText };
+}"""
+
+
+def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_page, comfy_server):
+    path = os.path.join(comfy_server.base_dir, "models", "loras", *DEMO_LORA.split("/"))
+    assert os.path.isfile(path), "the training run did not write the demo LoRA"
+    comfy_page.evaluate("async () => { await window.comfyAPI.app.app.refreshComboInNodes(); return true; }")
+    _drop(comfy_page, "inference_matching_scale.json")
+    panel = comfy_page.wait_for(PANEL, timeout=30)
+    rows = panel["rows"]
+    assert rows["rank"] == "4"
+    assert rows["alpha"] == "4"
+    assert rows["attention backend"] == "auto"
+    assert rows["base model"] == "flux1"
+    assert float(rows["softmax scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-3)  # multiplier 1.0, head_dim 32
+    assert rows["steps"] != "–", rows
+    comfy_page.evaluate(FOCUS_NODE, panel["id"])
+    comfy_page.screenshot("loader_metadata")
+    # the loader's combo lists the file, so the graph validates as it stands
+    options = comfy_page.evaluate("""() => window.comfyAPI.app.app.graph.nodes
+        .find((n) => n.type === "PrecisionLoadLoRA").widgets.find((w) => w.name === "lora_name").options.values""")
+    assert DEMO_LORA in options
+    assert comfy_page.pack_errors() == []
