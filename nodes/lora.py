@@ -29,6 +29,14 @@ def _err(node: str, message: str) -> ValueError:
     return ValueError(f"[Precision LoRA] {node}: {message}")
 
 
+def _check_choices(node: str, values: dict[str, object], choices: dict[str, list[str]]) -> str | None:
+    """Message for the first combo input whose value is not an option (ComfyUI does not check V3 combos)."""
+    for name, value in values.items():
+        if value is not None and value not in choices[name]:
+            return f"{node}: {name}={value!r} is not an option; choose one of {choices[name]}"
+    return None
+
+
 def _float(name: str, default: float, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
     return io.Float.Input(name, default=default, min=lo, max=hi, step=step, tooltip=tip)
 
@@ -129,9 +137,11 @@ class PrecisionSaveLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, filename_prefix=None) -> bool | str:
+    def validate_inputs(cls, filename_prefix=None, folder=None, save_dtype=None, key_style=None) -> bool | str:
+        choices = {"folder": list(glue.SAVE_FOLDERS), "save_dtype": list(SAVE_DTYPES), "key_style": ["auto", *KEY_STYLES]}
+        bad = _check_choices(cls.NODE, {"folder": folder, "save_dtype": save_dtype, "key_style": key_style}, choices)
         reason = None if filename_prefix is None else glue.check_prefix(filename_prefix)
-        return True if reason is None else f"{cls.NODE}: {reason}"
+        return bad or (True if reason is None else f"{cls.NODE}: {reason}")
 
     @classmethod
     def execute(cls, model, filename_prefix, folder, save_dtype, key_style, use_counter, overwrite) -> io.NodeOutput:
@@ -179,7 +189,14 @@ class PrecisionLoadLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, lora_name=None) -> bool | str:
+    def validate_inputs(cls, lora_name=None, mode=None, attention=None, override_backend=None,
+                        override_scale_mode=None) -> bool | str:
+        choices = {"mode": list(glue.LOAD_MODES), "attention": list(glue.ATTENTION_POLICIES),
+                   "override_backend": ["auto", *BACKENDS], "override_scale_mode": list(SCALE_MODES)}
+        bad = _check_choices(cls.NODE, {"mode": mode, "attention": attention, "override_backend": override_backend,
+                                        "override_scale_mode": override_scale_mode}, choices)
+        if bad:
+            return bad
         if lora_name is not None and lora_name not in _loras():
             return f"{cls.NODE}: lora_name {lora_name!r} is not in models/loras; put the file there and refresh"
         return True
