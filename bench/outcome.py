@@ -230,26 +230,33 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (seconds) for the test suite")
-    args = ap.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+def run_and_print(cfg: dict, label: str) -> dict:
+    """Train every group, print the tables; returns {"lora": {lr: rows}, "attention": rows, "ties": fraction}."""
     t0 = time.perf_counter()
     print(f"model: {cfg['blocks']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['tokens']} tokens, "
           f"LoRA rank {cfg['rank']} on every Linear, teacher rho {cfg['rho']:g}, {cfg['steps']} AdamW steps, "
           f"batch {cfg['batch']}")
+    results: dict = {"lora": {}}
     for lr in cfg["lrs"]:
+        results["lora"][lr] = run_group(LORA_RUNS, cfg, lr)
         print(f"\n### LoRA precision, lr {lr:g}\n")
-        print(format_rows(run_group(LORA_RUNS, cfg, lr)))
+        print(format_rows(results["lora"][lr]))
     lr = cfg["lrs"][-1]
-    gen = torch.Generator().manual_seed(0)
-    base = make_base(cfg, gen)
-    ties = tie_fraction(cfg, base, make_data(cfg, base, torch.Generator().manual_seed(1)))
-    print(f"\n### Attention backend, lr {lr:g} (rows with two bf16(P̄) == 1 at the start: {ties:.2%})\n")
-    print(format_rows(run_group(ATTENTION_RUNS, cfg, lr)))
-    print(f"\n({'quick' if args.quick else 'full'} mode, {time.perf_counter() - t0:.1f} s, torch {torch.__version__}, "
+    base = make_base(cfg, torch.Generator().manual_seed(0))
+    results["ties"] = tie_fraction(cfg, base, make_data(cfg, base, torch.Generator().manual_seed(1)))
+    results["attention"] = run_group(ATTENTION_RUNS, cfg, lr)
+    print(f"\n### Attention backend, lr {lr:g} (rows with two bf16(P̄) == 1 at the start: {results['ties']:.2%})\n")
+    print(format_rows(results["attention"]))
+    print(f"\n({label} mode, {time.perf_counter() - t0:.1f} s, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (seconds) for the test suite")
+    args = ap.parse_args(argv)
+    run_and_print(QUICK if args.quick else FULL, "quick" if args.quick else "full")
     return 0
 
 

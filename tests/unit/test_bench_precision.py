@@ -1,9 +1,9 @@
 """bench/precision.py in --quick mode, and the pure helpers it (and the probe) rests on, against direct computations."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,15 +14,8 @@ from attention.stats import measure_call
 from training.lora import LoRAAdapter, LoRAConfig
 from training.probe_math import delta_survival, summarize
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loader import load_bench  # noqa: E402
 
 def _adapter(width: int, rank: int, up_std: float, seed: int) -> LoRAAdapter:
     gen = torch.Generator().manual_seed(seed)
