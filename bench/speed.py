@@ -1,0 +1,123 @@
+"""Speed/memory summary: runs the attention, LoRA and training benches and collects their ratios in one table.
+
+Each bench runs as its own process (``bench/<name>.py`` [--quick]); ratios are read from what it prints:
+- markdown tables: every column whose header contains "/" (e.g. ``stable/sdpa``) is a ratio, one per row,
+  labelled by the row's first cell;
+- text lines ``... ratio <label> = <number>`` (e.g. ``ratio fp32/bf16 = 1.23``).
+A bench that does not exist (yet) or fails is reported as such in the table, never skipped silently.
+
+Run: ``.venv/bin/python bench/speed.py`` (every bench in full mode) or ``--quick``; ``--only lora`` runs one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHES = {  # name -> (what its ratios mean, owner)
+    "attention": ("override overhead vs stock ComfyUI attention; stable vs sdpa", "issue 3"),
+    "lora": ("fp32-accumulating vs plain bf16 LoRA layer, forward+backward", "issue 7"),
+    "train": ("our training step vs ComfyUI's built-in trainer; memory", "issue 4"),
+}
+_LINE_RATIO = re.compile(r"ratio\s+(?P<label>[^=]+?)\s*=\s*(?P<value>[-+0-9.eE]+)")
+_NUMBER = re.compile(r"^\s*\**(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)x?\**\s*$")
+
+
+@dataclass(frozen=True)
+class Ratio:
+    bench: str
+    case: str
+    name: str
+    value: float | None  # None: no number (see ``note``)
+    note: str = ""
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _table_ratios(bench: str, lines: list[str]) -> list[Ratio]:
+    out: list[Ratio] = []
+    header: list[str] | None = None
+    for line in lines:
+        if not line.strip().startswith("|"):
+            header = None
+            continue
+        cells = _cells(line)
+        if header is None:
+            header = cells
+            continue
+        if set("".join(cells)) <= set("-: "):
+            continue  # the |---| separator
+        for name, cell in zip(header, cells):
+            match = _NUMBER.match(cell)
+            if "/" in name and match:
+                out.append(Ratio(bench, cells[0], name, float(match["value"])))
+    return out
+
+
+def parse_ratios(bench: str, text: str) -> list[Ratio]:
+    """Every ratio a bench printed (markdown ratio columns and ``ratio <label> = <number>`` lines)."""
+    lines = text.splitlines()
+    found = _table_ratios(bench, lines)
+    for line in lines:
+        for match in _LINE_RATIO.finditer(line):
+            before = line[:match.start()]
+            case = (before.split(":")[0] if ":" in before else before).strip(" ,;") or "-"
+            found.append(Ratio(bench, case, match["label"].strip(), float(match["value"])))
+    return found
+
+
+def run_bench(name: str, quick: bool, timeout: float, bench_dir: str) -> tuple[list[Ratio], float]:
+    """Run ``bench_dir/<name>.py`` and parse it; a missing or failing bench gives one Ratio with a note."""
+    path = os.path.join(bench_dir, f"{name}.py")
+    if not os.path.exists(path):
+        return [Ratio(name, "-", "-", None, f"not available: bench/{name}.py does not exist yet ({BENCHES.get(name, ('', '?'))[1]})")], 0.0
+    cmd = [sys.executable, path] + (["--quick"] if quick else [])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return [Ratio(name, "-", "-", None, f"timed out after {timeout:.0f} s")], time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
+        return [Ratio(name, "-", "-", None, f"failed (exit {proc.returncode}): {tail}")], elapsed
+    ratios = parse_ratios(name, proc.stdout)
+    return ratios or [Ratio(name, "-", "-", None, "ran, but printed no ratio")], elapsed
+
+
+def format_table(ratios: list[Ratio], commands: dict[str, str]) -> str:
+    lines = ["| bench | case | ratio | value | command |", "|---|---|---|---|---|"]
+    for r in ratios:
+        value = f"{r.value:.3f}" if r.value is not None else r.note
+        lines.append(f"| {r.bench} | {r.case} | {r.name} | {value} | `{commands[r.bench]}` |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, bench_dir: str | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="run every bench in its --quick mode")
+    ap.add_argument("--only", choices=sorted(BENCHES), action="append", help="run only these benches")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per bench")
+    args = ap.parse_args(argv)
+    bench_dir = bench_dir or os.path.join(ROOT, "bench")
+    names = args.only or list(BENCHES)
+    ratios: list[Ratio] = []
+    commands = {}
+    for name in names:
+        commands[name] = f".venv/bin/python bench/{name}.py" + (" --quick" if args.quick else "")
+        found, elapsed = run_bench(name, args.quick, args.timeout, bench_dir)
+        ratios += found
+        print(f"bench/{name}.py: {len(found)} rows in {elapsed:.1f} s ({BENCHES[name][0]})", file=sys.stderr)
+    print(format_table(ratios, commands))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
