@@ -184,8 +184,8 @@ class LoRAAdapter(nn.Module):
         self.dropout, self.rank_dropout, self.module_dropout = config.dropout, config.rank_dropout, config.module_dropout
         self.multiplier = 1.0
         self._rng = rng or DropoutRNG(config.seed)
-        self._pristine = True  # up still holds its zero init (see delta_is_zero)
-        self._pristine_version = self.up._version
+        # (the zero-init up Parameter, its version) while up provably holds its init; see delta_is_zero
+        self._pristine: tuple[nn.Parameter, int] | None = (self.up, self.up._version)
         self.train(False)  # dropouts only while training: the trainer calls train()
 
     def delta_is_zero(self) -> bool:
@@ -193,12 +193,13 @@ class LoRAAdapter(nn.Module):
         grad-enabled forward (an optimizer can only change it after one). Lets the layer return the base
         output untouched, bit-equal to the base model."""
         self._note_use()
-        if self._pristine and self.up._version != self._pristine_version:
-            self._pristine = False
-        return self._pristine
+        if self._pristine is not None and (self._pristine[0] is not self.up or self.up._version != self._pristine[1]):
+            self._pristine = None  # written in place, or the Parameter was replaced (load_state_dict(assign=True))
+        return self._pristine is not None
 
     def mark_modified(self) -> None:
-        self._pristine = False
+        """Call after changing ``up`` in a way autograd cannot see (``.data`` writes)."""
+        self._pristine = None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, scale={self.scale:g}"
@@ -223,7 +224,7 @@ class LoRAAdapter(nn.Module):
 
     def _note_use(self) -> None:
         if torch.is_grad_enabled() and self.up.requires_grad:
-            self._pristine = False
+            self._pristine = None
 
     def delta_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
         """fp32 delta ``multiplier * scale * up(down(x))``; None when module dropout skips it. x (..., in) → (..., out)."""

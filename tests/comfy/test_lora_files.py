@@ -23,7 +23,9 @@ def denoise(model, seed: int = 0) -> torch.Tensor:
     latent = make_latent(model, batch=1, seed=seed)["samples"]
     cond = make_conditioning(model, batch=1)
     noise = comfy.sample.prepare_noise(latent, seed)
-    return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True, seed=seed)
+    with torch.inference_mode():  # as ComfyUI's executor runs KSampler
+        return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True,
+                                   seed=seed)
 
 
 def randomize(lora_set, seed: int, std: float = 0.2) -> None:
