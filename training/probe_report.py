@@ -13,6 +13,7 @@ from .probe_math import PATHS, SurvivalStats, summarize
 
 MERGE_OK_GAIN = 0.95          # a path keeping >= 95 % of the LoRA's effect is called harmless
 TIE_ROWS_WARN = 0.01          # >= 1 % of rows with two bf16(P̄) == 1: the stable fix has something to do
+BIAS_GAIN = 0.05             # the stable shift must cut |bias/MAE| by at least this to be recommended
 SATURATED_ENTROPY = 0.2       # entropy / ln(keys) below this: near one-hot attention
 SOFTCLAMP_SAFETY = 10.0       # softclamp should be >= 10x the max logit (PRECISION.md §5)
 
@@ -53,10 +54,15 @@ def attention_verdict(summary: Mapping[str, float], settings: Mapping[str, objec
         return ["No attention call was seen in the forward."]
     out = []
     ties, shift = summary["bf16_one_fraction"], summary["shift_fraction"]
-    if ties >= TIE_ROWS_WARN:
+    bias_std, bias_fix = summary["bias_standard"], summary["bias_stable"]
+    if ties >= TIE_ROWS_WARN and abs(bias_std) - abs(bias_fix) >= BIAS_GAIN:
         out.append(f"{ties:.1%} of attention rows have two or more bf16(P̄) == 1 (the Qiu & Yao bias condition); "
-                   f"emulated bf16 Ō bias/MAE {summary['bias_standard']:+.2f} standard vs "
-                   f"{summary['bias_stable']:+.2f} with the stable shift: consider backend=stable for long bf16 training.")
+                   f"emulated bf16 Ō bias/MAE {bias_std:+.2f} standard vs {bias_fix:+.2f} with the stable shift: "
+                   "consider backend=stable for long bf16 training.")
+    elif ties >= TIE_ROWS_WARN:
+        out.append(f"{ties:.1%} of attention rows have two or more bf16(P̄) == 1, but the stable shift does not "
+                   f"reduce the emulated bf16 Ō bias here ({bias_std:+.2f} standard vs {bias_fix:+.2f}): "
+                   "backend=stable is not needed on this evidence.")
     else:
         out.append(f"Ties at the row max are rare ({ties:.1%} of rows; the stable shift would fire in {shift:.1%}): "
                    "the stable backend would change little here.")
