@@ -75,7 +75,10 @@ class PrecisionProbe(io.ComfyNode):
         _check(latent, conditioning)
         result = probe_model(model, latent, conditioning, noise_level, seed, max_rows)
         attention = {k: v.as_dict() for k, v in result.attention.items()}
-        report = format_report(result.lora, attention, settings_of(result), result.sigma)
+        notes = [] if not result.weight_patches else [
+            f"{result.weight_patches} weights carry ComfyUI patches (a merged LoRA): merged deltas cannot be measured "
+            "as adapters; load the LoRA with PrecisionLoadLoRA mode=fp32 to probe it."]
+        report = format_report(result.lora, attention, settings_of(result), result.sigma, notes)
         chart = draw_probe_chart(summarize(result.lora), attention)
         log.info("[Precision LoRA] probe: %d LoRA layers, %d attention calls", len(result.lora), len(attention))
         return io.NodeOutput(report, chart, ui=ui.PreviewText(report))

@@ -37,6 +37,7 @@ class ProbeResult:
     head_dim: int
     lora: dict[str, SurvivalStats] = field(default_factory=dict)
     attention: dict[str, ProbeAttentionStats] = field(default_factory=dict)
+    weight_patches: int = 0  # ComfyUI weight patches (merged LoRAs): not measurable as adapters
 
 
 class ProbeAttentionOverride:
@@ -168,7 +169,7 @@ def probe_model(model, latent: dict, conditioning: list, noise_level: float = 0.
             log.warning("[Precision LoRA] PrecisionProbe: LoRA layer %s was not called in the forward", path)
     head_dim = override.head_dim or 0
     return ProbeResult(output=output, sigma=sigma, attention_cfg=cfg, head_dim=head_dim, lora=lora,
-                       attention=override.layers)
+                       attention=override.layers, weight_patches=len(getattr(model, "patches", {})))
 
 
 def default_scale(head_dim: int) -> float:

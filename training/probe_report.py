@@ -7,7 +7,7 @@ can refer to them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .probe_math import PATHS, SurvivalStats, summarize
 
@@ -104,11 +104,11 @@ def attention_table(layers: Mapping[str, Mapping[str, float]]) -> list[str]:
 
 
 def format_report(lora: Mapping[str, SurvivalStats], attention: Mapping[str, Mapping[str, float]],
-                  settings: Mapping[str, object], sigma: float) -> str:
-    """The whole report: header, verdict first, then the two tables."""
+                  settings: Mapping[str, object], sigma: float, notes: Sequence[str] = ()) -> str:
+    """The whole report: header, verdict first (then ``notes``), then the two tables."""
     head = (f"Precision probe at sigma {sigma:.4g}; attention backend {settings.get('backend')}, "
             f"scale {float(settings.get('scale', 0.0)):.4g} ({float(settings.get('multiplier', 1.0)):g}x default)")
-    verdict = lora_verdict(lora) + attention_verdict(attention_summary(attention), settings)
+    verdict = lora_verdict(lora) + list(notes) + attention_verdict(attention_summary(attention), settings)
     parts = [head, "", "Verdict:"] + [f"- {v}" for v in verdict] + [""]
     if lora:
         parts += lora_table(lora) + [""]

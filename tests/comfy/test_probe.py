@@ -151,3 +151,15 @@ def test_probe_validate_inputs_names_input_and_range(pack):
     message = node.validate_inputs(noise_level=1.5, max_rows=256)
     assert "noise_level=1.5" in message and "[0.01, 0.99]" in message
     assert node.validate_inputs(noise_level=0.5, max_rows=256) is True
+
+
+def test_probe_says_when_a_lora_is_merged_as_comfy_patches(pack):
+    model = tiny_flux1().clone()
+    key = "diffusion_model.double_blocks.0.img_attn.proj.weight"
+    weight = model.model.state_dict()[key]
+    assert model.add_patches({key: (torch.full_like(weight, 1e-3),)}, 1.0) == [key]
+    node = node_class("PrecisionProbe")
+    with torch.inference_mode():
+        out = node.execute(model, make_latent(model), make_conditioning(model), 0.5, 0, 64)
+    report = out.result[0]
+    assert "1 weights carry ComfyUI patches" in report and "No Precision LoRA is attached" in report
