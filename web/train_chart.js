@@ -17,9 +17,17 @@ const CHART_HEIGHT = 120;
 const LOG = "[Precision LoRA]";
 
 // Series by prompt node id (a string). Kept outside the nodes so events that arrive before a node exists
-// (page reload, graph still loading) are not lost.
+// (page reload, graph still loading) are not lost. Views live on the nodes (`node.precisionChart`) and are
+// found through the graph: a node's id is only final once it is added to the graph or configured.
 const seriesByNode = new Map();
-const viewsByNode = new Map();
+
+function viewFor(nodeId) {
+  const graph = app.graph;
+  if (!graph) return null;
+  const n = Number(nodeId);
+  const node = Number.isInteger(n) ? graph.getNodeById(n) : null;
+  return node?.precisionChart ?? null;
+}
 
 function seriesFor(nodeId) {
   const key = String(nodeId);
@@ -65,11 +73,17 @@ function drawChart(canvas, series) {
 }
 
 function render(nodeId) {
-  const view = viewsByNode.get(String(nodeId));
-  if (!view || view.pending) return;
+  const view = viewFor(nodeId);
+  if (view) renderView(view);
+}
+
+function renderView(view) {
+  if (view.pending) return;
   view.pending = true;
   requestAnimationFrame(() => {
     view.pending = false;
+    const nodeId = view.node.id;
+    view.root.dataset.nodeId = String(nodeId);
     const series = seriesFor(nodeId);
     drawChart(view.canvas, series);
     view.status.textContent = statusText(series);
@@ -151,13 +165,8 @@ function attachChart(node) {
     getMaxHeight: () => CHART_HEIGHT + 90,
   });
   widget.serialize = false; // keeps widgets_values identical to the schema's widgets
-  viewsByNode.set(String(node.id), view);
-  const origRemoved = node.onRemoved;
-  node.onRemoved = function () {
-    if (viewsByNode.get(String(this.id)) === view) viewsByNode.delete(String(this.id));
-    return origRemoved?.apply(this, arguments);
-  };
-  render(node.id);
+  node.precisionChart = view;
+  renderView(view); // on the next frame, when the node has its id
 }
 
 async function replayHistory() {
@@ -202,15 +211,7 @@ app.registerExtension({
     const origConfigure = nodeType.prototype.onConfigure;
     nodeType.prototype.onConfigure = function () {
       const r = origConfigure?.apply(this, arguments);
-      // Loading a workflow gives the node its saved id after creation: re-key the view.
-      for (const [key, view] of viewsByNode) {
-        if (view.node === this && key !== String(this.id)) {
-          viewsByNode.delete(key);
-          viewsByNode.set(String(this.id), view);
-          view.root.dataset.nodeId = String(this.id);
-        }
-      }
-      render(this.id);
+      if (this.precisionChart) renderView(this.precisionChart); // the saved id is in now
       return r;
     };
   },

@@ -77,29 +77,40 @@ def _note(id_, pos, size, text):
     return _node(id_, "Note", pos, {"text": text}, size=size)
 
 
+LOAD_LORA_WIDGETS = {
+    "lora_name": DEMO_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+    "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0,
+}
+
+
+def _demo_inputs(first_id: int, x: int, y: int) -> list[dict]:
+    """Demo Latent and Demo Conditioning, stacked in one column from (x, y)."""
+    return [
+        _node(first_id, "PrecisionDemoLatent", [x, y], {"width": 64, "height": 64, "batch_size": 1, "seed": 0},
+              control={"seed": "fixed"}, size=[340, 160]),
+        _node(first_id + 1, "PrecisionDemoConditioning", [x, y + 200], {"text": "a photo of sks", "seed": 0,
+              "tokens": 8}, control={"seed": "fixed"}, size=[340, 140]),
+    ]
+
+
 def inference_spec() -> dict:
     return {
         "nodes": [
-            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"}),
-            _node(2, "PrecisionLoadLoRA", [420, 120], {
-                "lora_name": DEMO_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
-                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0},
-                size=[340, 420]),
-            _node(3, "PrecisionDemoConditioning", [420, 600], {"text": "a photo of sks", "seed": 0, "tokens": 8},
-                  control={"seed": "fixed"}),
-            _node(4, "PrecisionDemoLatent", [40, 380], {"width": 64, "height": 64, "batch_size": 1, "seed": 0},
-                  control={"seed": "fixed"}),
-            _node(5, "KSampler", [820, 120], {
+            _node(1, "PrecisionLoadDiffusionModel", [0, 0], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"},
+                  size=[340, 110]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], LOAD_LORA_WIDGETS, size=[360, 420]),
+            *_demo_inputs(3, 0, 150),
+            _node(5, "KSampler", [800, 0], {
                 "seed": 7, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
-                control={"seed": "fixed"}),
-            _node(6, "PrecisionDemoPreview", [1160, 120]),
-            _node(7, "SaveImage", [1160, 260], {"filename_prefix": "precision_lora/inference"}, size=[300, 320]),
-            _note(8, [40, 640], [360, 300], INFER_NOTE),
-            _note(9, [820, 520], [640, 200], SWAP_NOTE),
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(6, "PrecisionDemoPreview", [800, 310], size=[300, 30]),
+            _node(7, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference"}, size=[320, 340]),
+            _note(8, [0, 540], [760, 200], INFER_NOTE),
+            _note(9, [800, 400], [660, 200], SWAP_NOTE),
         ],
         "links": [
             (1, 0, 2, "model"), (2, 0, 5, "model"), (1, 0, 3, "model"), (1, 0, 4, "model"),
-            (3, 0, 5, "positive"), (3, 0, 5, "negative"), (4, 0, 5, "latent_image"),
+            (4, 0, 5, "positive"), (4, 0, 5, "negative"), (3, 0, 5, "latent_image"),
             (5, 0, 6, "samples"), (6, 0, 7, "images"),
         ],
     }
@@ -108,24 +119,19 @@ def inference_spec() -> dict:
 def probe_spec() -> dict:
     return {
         "nodes": [
-            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "bf16"}),
-            _node(2, "PrecisionLoadLoRA", [420, 120], {
-                "lora_name": DEMO_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
-                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0},
-                size=[340, 420]),
-            _node(3, "PrecisionDemoConditioning", [420, 600], {"text": "a photo of sks", "seed": 0, "tokens": 8},
-                  control={"seed": "fixed"}),
-            _node(4, "PrecisionDemoLatent", [40, 380], {"width": 64, "height": 64, "batch_size": 1, "seed": 0},
-                  control={"seed": "fixed"}),
-            _node(5, "PrecisionProbe", [820, 120], {"noise_level": 0.5, "seed": 0, "max_rows": 256},
-                  control={"seed": "fixed"}, size=[420, 360]),
-            _node(6, "PreviewImage", [1280, 120], size=[360, 360]),
-            _note(7, [40, 640], [360, 220], PROBE_NOTE),
-            _note(8, [820, 520], [640, 200], SWAP_NOTE),
+            _node(1, "PrecisionLoadDiffusionModel", [0, 0], {"model_name": DEMO_MODEL, "weight_dtype": "bf16"},
+                  size=[340, 110]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], LOAD_LORA_WIDGETS, size=[360, 420]),
+            *_demo_inputs(3, 0, 150),
+            _node(5, "PrecisionProbe", [800, 0], {"noise_level": 0.5, "seed": 0, "max_rows": 256},
+                  control={"seed": "fixed"}, size=[440, 340]),
+            _node(6, "PreviewImage", [1280, 0], size=[360, 340]),
+            _note(7, [0, 540], [760, 200], PROBE_NOTE),
+            _note(8, [800, 400], [660, 200], SWAP_NOTE),
         ],
         "links": [
             (1, 0, 2, "model"), (2, 0, 5, "model"), (1, 0, 3, "model"), (1, 0, 4, "model"),
-            (4, 0, 5, "latent"), (3, 0, 5, "conditioning"), (5, 1, 6, "images"),
+            (3, 0, 5, "latent"), (4, 0, 5, "conditioning"), (5, 1, 6, "images"),
         ],
     }
 
@@ -133,33 +139,34 @@ def probe_spec() -> dict:
 def train_spec() -> dict:
     return {
         "nodes": [
-            _node(1, "PrecisionLoadDiffusionModel", [40, 120], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"}),
-            _node(2, "PrecisionPatchAttention", [40, 300], {
+            _node(1, "PrecisionLoadDiffusionModel", [0, 0], {"model_name": DEMO_MODEL, "weight_dtype": "fp32"},
+                  size=[340, 110]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
                 "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
-                "softclamp": 0.0, "fp32_softmax": False}, size=[320, 300]),
-            _node(3, "PrecisionAttachLoRA", [400, 120], {"rank": 4, "alpha": 4.0, "seed": 0},
-                  control={"seed": "fixed"}, size=[320, 480]),
-            _node(4, "PrecisionTrainSettings", [400, 640], {}, size=[320, 520]),
-            _node(5, "PrecisionDemoLatent", [40, 640], {"width": 64, "height": 64, "batch_size": 2, "seed": 0},
-                  control={"seed": "fixed"}),
-            _node(6, "PrecisionDemoConditioning", [40, 860], {"text": "a photo of sks", "seed": 0, "tokens": 8},
-                  control={"seed": "fixed"}),
-            _node(7, "PrecisionTrainLoRA", [760, 120], {"steps": 20, "seed": 0, "name": "demo_lora"},
-                  control={"seed": "fixed"}, size=[380, 460], title="Train LoRA (first N steps)"),
-            _node(8, "KSampler", [1180, 120], {
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 4, "alpha": 4.0, "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 450]),
+            _node(4, "PrecisionTrainSettings", [380, 490], {}, size=[340, 690]),
+            _node(5, "PrecisionDemoLatent", [0, 450], {"width": 64, "height": 64, "batch_size": 2, "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 160]),
+            _node(6, "PrecisionDemoConditioning", [0, 650], {"text": "a photo of sks", "seed": 0, "tokens": 8},
+                  control={"seed": "fixed"}, size=[340, 140]),
+            _node(7, "PrecisionTrainLoRA", [760, 0], {"steps": 20, "seed": 0, "name": "demo_lora"},
+                  control={"seed": "fixed"}, size=[400, 470], title="Train LoRA (first N steps)"),
+            _node(8, "KSampler", [1200, 0], {
                 "seed": 7, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
-                control={"seed": "fixed"}),
-            _node(9, "PrecisionDemoPreview", [1180, 420]),
-            _node(10, "PreviewImage", [1180, 540], size=[260, 260]),
-            _node(11, "PrecisionTrainLoRA", [760, 620], {"steps": 20, "seed": 0, "name": "demo_lora"},
-                  control={"seed": "fixed"}, size=[380, 460], title="Train LoRA (N more steps)"),
-            _node(12, "PrecisionSaveLoRA", [1180, 840], {
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(9, "PrecisionDemoPreview", [1200, 310], size=[300, 30]),
+            _node(10, "PreviewImage", [1200, 380], size=[300, 280], title="Preview after the first N steps"),
+            _node(11, "PrecisionTrainLoRA", [760, 520], {"steps": 20, "seed": 0, "name": "demo_lora"},
+                  control={"seed": "fixed"}, size=[400, 470], title="Train LoRA (N more steps)"),
+            _node(12, "PrecisionSaveLoRA", [1200, 720], {
                 "filename_prefix": DEMO_LORA[: -len(".safetensors")], "folder": "loras", "save_dtype": "fp32",
-                "key_style": "auto", "use_counter": False, "overwrite": True}, size=[320, 220]),
-            _node(13, "PrecisionLossGraph", [1540, 840], {}, size=[360, 360]),
-            _node(14, "PreviewImage", [1540, 120], size=[360, 360], title="Learning curve"),
-            _note(15, [1540, 520], [480, 300], TRAIN_NOTE),
-            _note(16, [-460, 120], [460, 220], SWAP_NOTE),
+                "key_style": "auto", "use_counter": False, "overwrite": True}, size=[300, 190]),
+            _node(13, "PrecisionLossGraph", [1540, 520], {}, size=[300, 200]),
+            _node(14, "PreviewImage", [1880, 520], size=[340, 300], title="Learning curve"),
+            _note(15, [1540, 0], [680, 480], TRAIN_NOTE),
+            _note(16, [0, 830], [340, 350], SWAP_NOTE),
         ],
         "links": "train",  # filled in by train_links() from the schemas of the training nodes
     }

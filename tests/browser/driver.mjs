@@ -25,7 +25,7 @@ const context = await chromium.launchPersistentContext(profile, {
   executablePath: EXECUTABLE,
   args: ARGS,
   headless: true,
-  viewport: { width: 1600, height: 1000 },
+  viewport: { width: 1920, height: 1080 },
 });
 let page = context.pages()[0] || (await context.newPage());
 const consoleLog = [];

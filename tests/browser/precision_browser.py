@@ -197,3 +197,10 @@ CLEAR_TOASTS = """() => {
   for (const b of document.querySelectorAll(".p-toast-message .p-toast-close-button")) b.click();
   return new Promise((r) => setTimeout(() => r(document.querySelectorAll(".p-toast-message").length), 300));
 }"""
+
+# The frontend's "Introducing Nodes 2.0" banner (shown until dismissed) covers the top of screenshots.
+DISMISS_BANNER = """() => {
+  const b = document.querySelector("div.from-blue-600 > button.right-4");
+  if (b) b.click();
+  return Boolean(b);
+}"""
