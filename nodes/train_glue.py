@@ -67,8 +67,10 @@ def _bcast(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
     return sigma.view(sigma.shape[0], *([1] * (ndim - 1)))
 
 
-def model_fns(model: Any, lora_set: LoRASet, settings: TrainSettings, device: torch.device) -> ModelFns:
-    """The model as pure callables for ``training.loop.train`` (see ``ModelFns`` for shapes)."""
+def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, device: torch.device) -> ModelFns:
+    """The model as pure callables for ``training.loop.train`` (see ``ModelFns`` for shapes).
+
+    ``lora_set`` None: no ``predict_base`` (DOP unavailable)."""
     base = model.model
     ms = base.model_sampling
     kind = flow_kind(ms)
@@ -92,6 +94,7 @@ def model_fns(model: Any, lora_set: LoRASet, settings: TrainSettings, device: to
         return (ms.calculate_input(sigma, x_t) - x0_hat) / _bcast(flow_time(sigma), x_t.ndim)
 
     def predict_base(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        assert lora_set is not None
         saved = {p: a.multiplier for p, a in lora_set.adapters().items()}
         lora_set.set_multiplier(0.0)
         try:
@@ -112,7 +115,7 @@ def model_fns(model: Any, lora_set: LoRASet, settings: TrainSettings, device: to
 
     from comfy.samplers import cond_cat
 
-    return ModelFns(predict=predict, predict_base=predict_base, sigma_of_u=sigma_of_u, noise_latent=noise_latent,
+    return ModelFns(predict=predict, predict_base=predict_base if lora_set is not None else None, sigma_of_u=sigma_of_u, noise_latent=noise_latent,
                     target=target, collate=lambda conds: cond_cat(conds), device=device)
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any, Iterator, Sequence
 
@@ -60,28 +61,57 @@ def clone_saved_tensors() -> Iterator[None]:
         yield
 
 
+def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """Template of ``value`` with every tensor (inside tuples, lists, dicts, dataclasses) replaced by a slot."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1)
+    if isinstance(value, (tuple, list)):
+        items = [_flatten(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _flatten(v, tensors) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _DataclassTemplate(value, {f.name: _flatten(getattr(value, f.name), tensors)
+                                          for f in dataclasses.fields(value)})
+    return value
+
+
+class _Slot:
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _DataclassTemplate:
+    def __init__(self, original: Any, fields: dict[str, Any]) -> None:
+        self.original, self.fields = original, fields
+
+
+def _fill(template: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if isinstance(template, _Slot):
+        return tensors[template.index]
+    if isinstance(template, (tuple, list)):
+        items = [_fill(v, tensors) for v in template]
+        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    if isinstance(template, dict):
+        return {k: _fill(v, tensors) for k, v in template.items()}
+    if isinstance(template, _DataclassTemplate):
+        return dataclasses.replace(template.original, **{k: _fill(v, tensors) for k, v in template.fields.items()})
+    return template
+
+
 def _split(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
-    """Tensors found in args/kwargs (top level) and a template to rebuild the call."""
+    """Every tensor in args/kwargs (nested containers included: Flux.2 passes modulation dataclasses in
+    tuples) and a template to rebuild the call. A tensor left inside the template would tie the
+    recomputed graph to the outer one ("backward through the graph a second time")."""
     tensors: list[torch.Tensor] = []
-
-    def take(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-            return ("__tensor__", len(tensors) - 1)
-        return v
-
-    template = ([take(a) for a in args], {k: take(v) for k, v in kwargs.items()})
+    template = (_flatten(list(args), tensors), _flatten(dict(kwargs), tensors))
     return tensors, template
 
 
 def _rebuild(template: Any, tensors: Sequence[torch.Tensor]) -> tuple[list, dict]:
-    def put(v: Any) -> Any:
-        if isinstance(v, tuple) and len(v) == 2 and v[0] == "__tensor__":
-            return tensors[v[1]]
-        return v
-
     args, kwargs = template
-    return [put(a) for a in args], {k: put(v) for k, v in kwargs.items()}
+    return _fill(args, tensors), _fill(kwargs, tensors)
 
 
 def _prepare_input(t: torch.Tensor) -> torch.Tensor:
