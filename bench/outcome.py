@@ -11,8 +11,10 @@ from the same base weights (bf16-representable), the same LoRA init and sees the
 - (c) fp32 reference: the same model in fp32
 
 Reported against (c): ‖ΔW − ΔW_c‖ / ‖ΔW_c‖ over all layers, and rms(out − out_c) / rms(out_c − base_c) on held-out
-inputs (output distance relative to the LoRA's own effect); also the distance of ΔW to the teacher's, the
-fraction of ``lora_down`` elements that ever moved, and the last loss. The same for attention backends
+inputs (output distance relative to the LoRA's own effect), once in each run's own precision and once with
+the learned ΔW evaluated in an fp64 copy of the model; also the distance of ΔW to the teacher's ΔW*, the
+part of the teacher's effect not learned (rms(out_fp64 − y*) / rms(y* − base)), the fraction of
+``lora_down`` elements that ever moved, and the last training loss. The same for attention backends
 (fp32-accumulating LoRA everywhere): sdpa, stable, and an emulated low-precision kernel (bf16 P̄ and bf16
 tile products, ``emulate="paper"``) with the standard vs the stable shift.
 
@@ -146,20 +148,25 @@ class Outcome:
 
 
 def make_data(cfg: dict, base: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Train/test inputs and the teacher's fp64 targets; ``base_out``: the fp32 model without LoRA on test."""
+    """Train/test inputs and the teacher's fp64 targets; ``base_out``: the fp32 model without LoRA on test;
+    ``dw.<path>``: the teacher's ΔW* per layer."""
     x = torch.randn(cfg["train"] + cfg["test"], cfg["tokens"], cfg["dim"], generator=gen)
-    teacher = TinyModel(base, cfg, RunSpec("teacher", torch.float64), deltas=make_teacher(base, cfg, gen))
+    deltas = make_teacher(base, cfg, gen)
+    teacher = TinyModel(base, cfg, RunSpec("teacher", torch.float64), deltas=deltas)
     with torch.no_grad():
         y = teacher(x.double())
         base_out = TinyModel(base, cfg, RunSpec("base", torch.float32))(x[cfg["train"]:]).double()
-    return {"x": x[:cfg["train"]], "y": y[:cfg["train"]], "x_test": x[cfg["train"]:], "base_out": base_out}
+    n = cfg["train"]
+    return {"x": x[:n], "y": y[:n], "x_test": x[n:], "y_test": y[n:], "base_out": base_out,
+            **{f"dw.{p}": d for p, d in deltas.items()}}
 
 
 def train(spec: RunSpec, cfg: dict, base: dict[str, torch.Tensor], data: dict[str, torch.Tensor], lr: float) -> Outcome:
     """AdamW on the LoRA for cfg['steps'] steps over fixed batches (the same for every run)."""
     lora_cfg = LoRAConfig(rank=cfg["rank"], alpha=float(cfg["rank"]), fp32_accumulation=spec.fp32_accumulation,
                           param_dtype=spec.param_dtype, seed=0)
-    lora = LoRASet(lora_cfg, layer_shapes(cfg)).train()
+    device = next(iter(base.values())).device
+    lora = LoRASet(lora_cfg, layer_shapes(cfg)).to(device).train()
     model = TinyModel(base, cfg, spec, lora)
     downs0 = {p: a.down.detach().clone() for p, a in lora.adapters().items()}
     moved = {p: torch.zeros_like(d, dtype=torch.bool) for p, d in downs0.items()}
@@ -190,14 +197,18 @@ def rel_dist(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(num / den) if den > 0 else float("inf")
 
 
-def compare(runs: dict[str, Outcome], ref: Outcome, data: dict[str, torch.Tensor], teacher_dw) -> list[dict]:
+def compare(runs: dict[str, Outcome], ref: Outcome, data: dict[str, torch.Tensor]) -> list[dict]:
     effect = float((ref.out - data["base_out"]).pow(2).mean().sqrt())
+    teacher_effect = float((data["y_test"] - data["base_out"]).pow(2).mean().sqrt())
+    teacher_dw = {k[3:]: v for k, v in data.items() if k.startswith("dw.")}
     rows = []
     for label, o in runs.items():
         rows.append({"run": label, "dw_dist": rel_dist(o.dw, ref.dw),
                      "out_dist": float((o.out - ref.out).pow(2).mean().sqrt()) / effect,
                      "out_fp32_dist": float((o.out_fp32 - ref.out_fp32).pow(2).mean().sqrt()) / effect,
-                     "teacher_dist": rel_dist(o.dw, teacher_dw), "down_moved": o.down_moved, "loss": o.loss})
+                     "teacher_dist": rel_dist(o.dw, teacher_dw),
+                     "teacher_fit": float((o.out_fp32 - data["y_test"]).pow(2).mean().sqrt()) / teacher_effect,
+                     "down_moved": o.down_moved, "loss": o.loss})
     return rows
 
 
@@ -209,28 +220,29 @@ def tie_fraction(cfg: dict, base: dict[str, torch.Tensor], data: dict[str, torch
     return measure_attention(q, k, v, scale=1.0 / math.sqrt(d // h), max_rows=0, with_bias=False).bf16_one_fraction
 
 
-def run_group(specs: tuple[RunSpec, ...], cfg: dict, lr: float, seed: int = 0) -> list[dict]:
+def run_group(specs: tuple[RunSpec, ...], cfg: dict, lr: float, seed: int = 0, device: str = "cpu") -> list[dict]:
     """Train every spec of a group (the last one is the reference) and compare them with it."""
     gen = torch.Generator().manual_seed(seed)
     base = make_base(cfg, gen)
     teacher_gen = torch.Generator().manual_seed(seed + 1)
-    data = make_data(cfg, base, teacher_gen)
-    teacher_dw = make_teacher(base, cfg, torch.Generator().manual_seed(seed + 1))
+    data = {k: t.to(device) for k, t in make_data(cfg, base, teacher_gen).items()}
+    base = {k: t.to(device) for k, t in base.items()}
     outcomes = {s.label: train(s, cfg, base, data, lr) for s in specs}
-    return compare(outcomes, outcomes[specs[-1].label], data, teacher_dw)
+    return compare(outcomes, outcomes[specs[-1].label], data)
 
 
 def format_rows(rows: list[dict]) -> str:
     out = ["| run | ‖ΔW − ΔW_c‖/‖ΔW_c‖ | output distance, own precision | output distance, learned LoRA in fp64 "
-           "model | ‖ΔW − ΔW*‖/‖ΔW*‖ (teacher) | lora_down elements moved | last loss |",
-           "|---|---|---|---|---|---|---|"]
+           "model | ‖ΔW − ΔW*‖/‖ΔW*‖ (teacher) | teacher effect not learned | lora_down elements moved | last loss |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['run']} | {r['dw_dist']:.4f} | {r['out_dist']:.3f} | {r['out_fp32_dist']:.4f} | {r['teacher_dist']:.4f} | "
+        out.append(f"| {r['run']} | {r['dw_dist']:.4f} | {r['out_dist']:.3f} | {r['out_fp32_dist']:.4f} | "
+                   f"{r['teacher_dist']:.4f} | {r['teacher_fit']:.4f} | "
                    f"{r['down_moved']:.1%} | {r['loss']:.3e} |")
     return "\n".join(out)
 
 
-def run_and_print(cfg: dict, label: str) -> dict:
+def run_and_print(cfg: dict, label: str, device: str = "cpu") -> dict:
     """Train every group, print the tables; returns {"lora": {lr: rows}, "attention": rows, "ties": fraction}."""
     t0 = time.perf_counter()
     print(f"model: {cfg['blocks']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['tokens']} tokens, "
@@ -238,16 +250,16 @@ def run_and_print(cfg: dict, label: str) -> dict:
           f"batch {cfg['batch']}")
     results: dict = {"lora": {}}
     for lr in cfg["lrs"]:
-        results["lora"][lr] = run_group(LORA_RUNS, cfg, lr)
+        results["lora"][lr] = run_group(LORA_RUNS, cfg, lr, device=device)
         print(f"\n### LoRA precision, lr {lr:g}\n")
         print(format_rows(results["lora"][lr]))
     lr = cfg["lrs"][-1]
     base = make_base(cfg, torch.Generator().manual_seed(0))
     results["ties"] = tie_fraction(cfg, base, make_data(cfg, base, torch.Generator().manual_seed(1)))
-    results["attention"] = run_group(ATTENTION_RUNS, cfg, lr)
+    results["attention"] = run_group(ATTENTION_RUNS, cfg, lr, device=device)
     print(f"\n### Attention backend, lr {lr:g} (rows with two bf16(P̄) == 1 at the start: {results['ties']:.2%})\n")
     print(format_rows(results["attention"]))
-    print(f"\n({label} mode, {time.perf_counter() - t0:.1f} s, torch {torch.__version__}, "
+    print(f"\n({label} mode, {device}, {time.perf_counter() - t0:.1f} s, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)")
     return results
 
@@ -255,8 +267,9 @@ def run_and_print(cfg: dict, label: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (seconds) for the test suite")
+    ap.add_argument("--device", default="cpu", help="where to train (cuda: real bf16 GPU kernels)")
     args = ap.parse_args(argv)
-    run_and_print(QUICK if args.quick else FULL, "quick" if args.quick else "full")
+    run_and_print(QUICK if args.quick else FULL, "quick" if args.quick else "full", args.device)
     return 0
 
 

@@ -46,15 +46,16 @@ def layer_with_rho(width: int, rank: int, rho: float, gen: torch.Generator) -> t
     return w, adapter
 
 
-def survival_table(cfg: dict, seed: int = 0) -> list[dict]:
-    """One row per (rank, rho): gains per path, fp32 path's relative error, merged elements changed."""
+def survival_table(cfg: dict, seed: int = 0, device: str = "cpu") -> list[dict]:
+    """One row per (rank, rho): gains per path, fp32 path's relative error, merged elements changed.
+    On CUDA the pack's layer uses a bf16 GEMM with fp32 output (``training.lora.base_linear_fp32``)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(cfg["tokens"], cfg["width"], generator=gen).bfloat16()
+    x = torch.randn(cfg["tokens"], cfg["width"], generator=gen).bfloat16().to(device)
     rows = []
     for rank in cfg["ranks"]:
         for rho in cfg["rhos"]:
             w, adapter = layer_with_rho(cfg["width"], rank, rho, gen)
-            s = delta_survival(x, w, None, (adapter,))
+            s = delta_survival(x, w.to(device), None, (adapter.to(device),))
             rows.append({"rank": rank, "rho": rho, **{p: s.gains[p] for p in PATHS},
                          "err_fp32": s.rel_errors["fp32_unmerged"], "err_merge": s.rel_errors["merge"],
                          "changed": s.merge_changed})
@@ -146,20 +147,21 @@ def format_tables(survival: list[dict], scale: list[dict], bias: list[dict]) -> 
     return "\n".join(out)
 
 
-def run(quick: bool) -> dict[str, list[dict]]:
+def run(quick: bool, device: str = "cpu") -> dict[str, list[dict]]:
     cfg = QUICK if quick else FULL
-    return {"survival": survival_table(cfg), "scale": scale_table(cfg), "bias": bias_table(cfg)}
+    return {"survival": survival_table(cfg, device=device), "scale": scale_table(cfg), "bias": bias_table(cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds) for the test suite")
+    ap.add_argument("--device", default="cpu", help="device of the LoRA survival table (cuda: GPU GEMM paths)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    tables = run(args.quick)
+    tables = run(args.quick, args.device)
     print(format_tables(tables["survival"], tables["scale"], tables["bias"]))
-    print(f"\n({'quick' if args.quick else 'full'} mode, {time.perf_counter() - t0:.1f} s, "
+    print(f"\n({'quick' if args.quick else 'full'} mode, survival on {args.device}, {time.perf_counter() - t0:.1f} s, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads)")
     return 0
 
