@@ -1,0 +1,115 @@
+"""Bad input to the training nodes: a clear error naming node, input, value and fix; nothing written."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
+
+
+@pytest.fixture(scope="module")
+def env(pack_module):
+    class E:
+        glue = pack_module("nodes.lora_glue")
+        train = pack_module("nodes.train")
+        tglue = pack_module("nodes.train_glue")
+        lora = pack_module("training.lora")
+        Settings = pack_module("training.settings").TrainSettings
+        model = tiny_cosmos()
+    with torch.inference_mode():
+        E.with_lora = E.glue.attach_lora(E.model, E.lora.LoRAConfig(rank=2, alpha=2))
+    E.latent = make_latent(E.model, 1, width=32, height=32)
+    E.cond = make_conditioning(E.model, 1)
+    return E
+
+
+def _listing(env) -> list[str]:
+    folder = env.tglue.checkpoint_dir()
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+def _train(env, model=None, latents=None, conds=None, steps=2, settings=None, **kw):
+    extra = {k: [v] for k, v in kw.items()}
+    with torch.inference_mode():
+        return env.train.PrecisionTrainLoRA.execute(
+            [model or env.with_lora], env.latent_list if latents is None else latents,
+            [env.cond] if conds is None else conds, [steps], [0], ["err"],
+            settings=[settings or env.Settings(checkpoint_every=1)], **extra)
+
+
+CASES = [
+    ("empty dataset", {"latents": []}, r"PrecisionTrainLoRA: input 'latents': the dataset is empty"),
+    ("empty latent batch", {"latents": [{"samples": torch.zeros(0, 16, 1, 4, 4)}]},
+     r"input 'latents': the dataset is empty"),
+    ("count mismatch", {"latents": [{"samples": torch.randn(3, 16, 1, 4, 4)}], "conds": "two"},
+     r"input 'conditioning': 2 conditioning rows for 3 latent samples"),
+    ("wrong latent shape", {"latents": [{"samples": torch.randn(1, 16, 4, 4)}]},
+     r"latent 0 has shape \(1, 16, 4, 4\) but this model \(cosmos_predict2\) expects \(B, C, T, H, W\) with C=16"),
+    ("no lora", {"model": "base"}, r"PrecisionTrainLoRA: the model has no LoRA attached; put PrecisionAttachLoRA"),
+    ("steps 0", {"steps": 0}, r"PrecisionTrainLoRA: steps=0: must be an integer > 0"),
+    ("bad name", {"name_override": "../x"}, r"input 'name'='../x' must be a plain file-name prefix"),
+    ("resume outside", {"resume_from": "../../etc/passwd"}, r"input 'resume_from'='../../etc/passwd' must be a file name"),
+    ("resume missing", {"resume_from": "nope.safetensors"}, r"input 'resume_from'='nope.safetensors': no checkpoint state"),
+]
+
+
+@pytest.mark.parametrize("label, change, message", CASES, ids=[c[0] for c in CASES])
+def test_train_node_rejects_bad_input_and_writes_nothing(env, label, change, message):
+    env.latent_list = [env.latent]
+    before = _listing(env)
+    kwargs = {}
+    change = dict(change)
+    if change.get("model") == "base":
+        change["model"] = env.model
+    if change.get("conds") == "two":
+        change["conds"] = [make_conditioning(env.model, 2)]
+    if "resume_from" in change:
+        kwargs["resume_from"] = change.pop("resume_from")
+    name = change.pop("name_override", None)
+    with pytest.raises(ValueError, match=message):
+        if name is None:
+            _train(env, **change, **kwargs)
+        else:
+            with torch.inference_mode():
+                env.train.PrecisionTrainLoRA.execute([env.with_lora], [env.latent], [env.cond], [2], [0], [name])
+    assert _listing(env) == before
+
+
+def test_flux_latent_into_cosmos_model_is_rejected(env):
+    flux_latent = make_latent(tiny_flux1(), 1, width=32, height=32)
+    env.latent_list = [flux_latent]
+    with pytest.raises(ValueError, match=r"expects \(B, C, T, H, W\)"):
+        _train(env)
+
+
+SETTINGS_CASES = [
+    ({"learning_rate": 0.0}, r"PrecisionTrainSettings: TrainSettings.learning_rate=0.0: must be > 0"),
+    ({"learning_rate": -1e-4}, r"learning_rate=-0.0001: must be > 0"),
+    ({"optimizer": "lion"}, r"PrecisionTrainSettings: TrainSettings.optimizer='lion': unknown; choose one of"),
+    ({"optimizer": "adamw8bit"}, r"optimizer='adamw8bit' is unavailable: pip install bitsandbytes, or choose 'adamw'"),
+    ({"optimizer": "prodigy"}, r"optimizer='prodigy' is unavailable: pip install prodigyopt"),
+    ({"warmup_steps": 10}, r"warmup_steps=10: has no effect with lr_schedule 'constant'"),
+]
+
+
+@pytest.mark.parametrize("change, message", SETTINGS_CASES)
+def test_settings_node_rejects_bad_values(env, change, message):
+    import importlib.util
+
+    if "bitsandbytes" in message and importlib.util.find_spec("bitsandbytes"):
+        pytest.skip("bitsandbytes is installed here, so adamw8bit is available")
+    if "prodigyopt" in message and importlib.util.find_spec("prodigyopt"):
+        pytest.skip("prodigyopt is installed here, so prodigy is available")
+    kwargs = {**env.Settings().to_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        env.train.PrecisionTrainSettings.execute(**kwargs)
+
+
+def test_settings_node_defaults_are_the_dataclass_defaults(env):
+    out = env.train.PrecisionTrainSettings.execute(**env.Settings().to_dict())
+    assert out.result[0] == env.Settings()
+    schema = env.train.PrecisionTrainSettings.define_schema()
+    defaults = {i.id: i.default for i in schema.inputs}
+    assert defaults == env.Settings().to_dict()
