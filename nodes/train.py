@@ -16,7 +16,8 @@ from ..training.loop import Hooks, StepReport, train
 from ..training.settings import NAN_POLICIES, TrainSettings
 from .comfy_io import io
 from .train_data import build_samples
-from .train_glue import (checkpoint_writer, fork_lora, model_fns, resolve_resume, start_job, training_session)
+from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
+from .train_routes import start_job
 from .types import LossMapType, TrainingStateType, TrainSettingsType
 
 log = logging.getLogger(__name__)

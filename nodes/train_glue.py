@@ -8,14 +8,12 @@ Everything ComfyUI-specific that the pure loop (``training.loop``) needs is buil
   in-place-safe saved tensors on Flux-like families, optional block checkpointing; unload afterwards;
 - ``fork_lora``: the output MODEL gets its own copy of the LoRA set, so a chained node never mutates
   the LoRA of an upstream (cached) output;
-- ``TrainJob``: the running job's control flags and loss history for the HTTP routes.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -173,51 +171,6 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
         for p, flag in frozen:
             p.requires_grad_(flag)
         _unload(model)
-
-
-class TrainJob:
-    """The training job that runs now (or ran last): control requests from HTTP and its loss history."""
-
-    def __init__(self, node_id: str | None, prompt_id: str | None, points: list[dict]) -> None:
-        self.node_id, self.prompt_id = node_id, prompt_id
-        self.points = list(points)
-        self.running = True
-        self.step = points[-1]["step"] if points else 0
-        self._requests: list[str] = []
-        self._lock = threading.Lock()
-
-    def request(self, action: str) -> None:
-        with self._lock:
-            self._requests.append(action)
-
-    def take_request(self) -> str | None:
-        with self._lock:
-            if not self._requests:
-                return None
-            return "stop" if "stop" in self._requests else self._requests.pop(0)
-
-    def add_point(self, point: dict) -> None:
-        with self._lock:
-            self.points.append(point)
-            self.step = point["step"]
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"running": self.running, "node_id": self.node_id, "prompt_id": self.prompt_id,
-                    "points": [dict(p) for p in self.points]}
-
-
-_current: dict[str, TrainJob | None] = {"job": None}
-
-
-def start_job(node_id: str | None, prompt_id: str | None, points: list[dict]) -> TrainJob:
-    job = TrainJob(node_id, prompt_id, points)
-    _current["job"] = job
-    return job
-
-
-def current_job() -> TrainJob | None:
-    return _current["job"]
 
 
 # ---- checkpoint files in the output folder ----

@@ -31,6 +31,7 @@ def mods(pack_module):
         glue = pack_module("nodes.lora_glue")
         train = pack_module("nodes.train")
         tglue = pack_module("nodes.train_glue")
+        routes = pack_module("nodes.train_routes")
         lora = pack_module("training.lora")
         ckpt = pack_module("training.checkpoint")
         Settings = pack_module("training.settings").TrainSettings
@@ -76,7 +77,7 @@ def test_resume_from_checkpoint_file_continues_identical_losses(mods):
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 8)
     settings = mods.Settings(learning_rate=1e-3, checkpoint_every=4)
     _run(mods, m, latent, cond, 4, settings=settings)
-    job = mods.tglue.current_job()
+    job = mods.routes.current_job()
     name = f"test_s{job.step:06d}.safetensors"
     names = sorted(os.listdir(mods.tglue.checkpoint_dir()))
     newest = [n for n in names if n.startswith("test_s000004") and n.endswith(".safetensors")][-1]
@@ -170,3 +171,32 @@ def test_base_weights_bit_identical_and_forwards_restored(mods):
                  if "forward" in mod.__dict__ and getattr(mod.__dict__["forward"], "__func__", None) is not type(mod).forward]
     assert leftovers == []
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in state.lora.items() if "up" in k)
+
+
+def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
+    """What the HTTP control route does (job.request) while the node runs: a checkpoint, then a stop."""
+    import comfy_harness
+
+    _, m, latent, cond = _setup(mods, "flux1")
+    server = comfy_harness.server()
+    original = server.send_sync
+
+    def control(event, data, sid=None):
+        original(event, data, sid)
+        if event == "precision_lora.train_step":
+            if data["step"] == 2:
+                mods.routes.current_job().request("checkpoint")
+            if data["step"] == 4:
+                mods.routes.current_job().request("stop")
+
+    server.send_sync = control
+    try:
+        _, state, losses, steps = _run(mods, m, latent, cond, 10)
+    finally:
+        server.send_sync = original
+    done = [d for e, d, _ in server.events if e == "precision_lora.train_done"][-1]
+    assert steps == 4 and len(losses["loss"]) == 4 and done["stopped"] is True
+    names = [n for n in os.listdir(mods.tglue.checkpoint_dir()) if n.startswith("test_s00000") and n.endswith(".state.pt")]
+    assert {"test_s000002.state.pt", "test_s000004.state.pt"} <= set(names)
+    job = mods.routes.current_job()
+    assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
