@@ -1,0 +1,119 @@
+"""Training through a real ComfyUI server from an API prompt: progress + train_step events on the websocket,
+the trained LoRA saved, and the saved file loaded by stock ComfyUI (UNETLoader + LoraLoaderModelOnly)
+giving the same sample as the model the training node returned."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+
+import pytest
+import safetensors.torch
+import torch
+import websocket
+
+from training.settings import TrainSettings
+
+pytestmark = pytest.mark.e2e
+
+COSMOS = "precision_tiny_cosmos.safetensors"
+ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
+              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
+              dry_run=False, init_lora="none")
+STEPS = 4
+
+
+def _sampling(model: list, latent_node: str, cond_node: str, prefix: str, first_id: int) -> dict:
+    a, b = str(first_id), str(first_id + 1)
+    return {
+        a: {"class_type": "KSampler", "inputs": {
+            "model": model, "positive": [cond_node, 0], "negative": [cond_node, 0], "latent_image": [latent_node, 0],
+            "seed": 3, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
+        b: {"class_type": "SaveLatent", "inputs": {"samples": [a, 0], "filename_prefix": prefix}},
+    }
+
+
+def _train_prompt() -> dict:
+    settings = {**TrainSettings(learning_rate=1e-2).to_dict()}
+    prompt = {
+        "1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}},
+        "2": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["1", 0], **ATTACH}},
+        "3": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["1", 0], "text": "sks", "seed": 0, "tokens": 8}},
+        "4": {"class_type": "PrecisionDemoLatent", "inputs": {"model": ["1", 0], "width": 32, "height": 32, "batch_size": 1, "seed": 1}},
+        "5": {"class_type": "PrecisionTrainSettings", "inputs": settings},
+        "6": {"class_type": "PrecisionTrainLoRA", "inputs": {
+            "model": ["2", 0], "latents": ["4", 0], "conditioning": ["3", 0], "settings": ["5", 0],
+            "steps": STEPS, "seed": 0, "name": "e2e_train"}},
+        "7": {"class_type": "PrecisionSaveLoRA", "inputs": {
+            "model": ["6", 0], "filename_prefix": "e2e_train/lora", "folder": "loras", "save_dtype": "fp32",
+            "key_style": "auto", "use_counter": True, "overwrite": False}},
+        "8": {"class_type": "PrecisionLossGraph", "inputs": {
+            "loss": ["6", 2], "smoothing": 0.5, "log_scale": False, "width": 256, "height": 128,
+            "filename_prefix": "e2e_train/loss"}},
+    }
+    prompt.update(_sampling(["6", 0], "4", "3", "e2e_train/trained", 9))
+    return prompt
+
+
+def _run_with_events(server, prompt: dict, timeout: float = 300) -> tuple[dict, list[dict]]:
+    client_id = str(uuid.uuid4())
+    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=timeout)
+    try:
+        prompt_id = server.post_prompt(prompt, client_id=client_id)
+        events = []
+        while True:
+            raw = ws.recv()
+            if not isinstance(raw, str):
+                continue  # binary previews
+            msg = json.loads(raw)
+            events.append(msg)
+            data = msg.get("data", {})
+            if msg["type"] in ("execution_success", "execution_error") and data.get("prompt_id") == prompt_id:
+                break
+    finally:
+        ws.close()
+    return server.wait(prompt_id), events
+
+
+def _latent(server, entry: dict, node: str) -> torch.Tensor:
+    saved = entry["outputs"][node]["latents"][0]
+    return safetensors.torch.load_file(server.output_path(saved["subfolder"], saved["filename"]))["latent_tensor"]
+
+
+def test_training_over_http_with_events_and_stock_loadable_lora(server):
+    entry, events = _run_with_events(server, _train_prompt())
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:3000]
+    steps = [e["data"] for e in events if e["type"] == "precision_lora.train_step"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["node"] == "6" and s["total"] == STEPS and math.isfinite(s["loss"]) and s["lr"] == 1e-2 for s in steps)
+    progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "6"]
+    assert [p["value"] for p in progress] == list(range(1, STEPS + 1)) and progress[-1]["max"] == STEPS
+    done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"]
+    assert done and done[-1]["steps"] == STEPS and done[-1]["stopped"] is False
+    status, history = server.get("/precision_lora/train/history")
+    assert status == 200 and history["running"] is False and len(history["points"]) == STEPS
+    assert entry["outputs"]["8"]["images"][0]["filename"].endswith(".png")
+
+    (path,) = entry["outputs"]["7"]["text"]
+    name = os.path.relpath(path, os.path.join(server.base_dir, "models", "loras"))
+    trained = _latent(server, entry, "10")
+    before = server.log_text().count("lora key not loaded")
+    stock_prompt = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": COSMOS, "weight_dtype": "default"}},
+        "2": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": name, "strength_model": 1.0}},
+        "3": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["1", 0], "text": "sks", "seed": 0, "tokens": 8}},
+        "4": {"class_type": "PrecisionDemoLatent", "inputs": {"model": ["1", 0], "width": 32, "height": 32, "batch_size": 1, "seed": 1}},
+        **_sampling(["2", 0], "4", "3", "e2e_train/stock", 5),
+        **_sampling(["1", 0], "4", "3", "e2e_train/base", 7),
+    }
+    stock_entry = server.run(stock_prompt)
+    stock, base = _latent(server, stock_entry, "6"), _latent(server, stock_entry, "8")
+    assert server.log_text().count("lora key not loaded") == before == 0
+    torch.testing.assert_close(stock, trained, rtol=1e-4, atol=1e-4)
+    assert (base - trained).abs().max() > 1e-2, "the trained LoRA must change the sample for the match to mean anything"
+
+
+def test_control_route_without_training_is_409(server):
+    status, body = server.request("/precision_lora/train/control", {"action": "stop"})
+    assert (status, body) == (409, {"ok": False, "error": "no training is running"})
