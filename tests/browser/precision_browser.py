@@ -157,7 +157,10 @@ GRAPH_LOADED = """(wantIds) => {
   const dialogs = [...document.querySelectorAll(".p-dialog")]
     .filter((d) => d.offsetParent !== null)
     .map((d) => d.innerText.slice(0, 300));
-  const toasts = [...document.querySelectorAll(".p-toast-message")].map((t) => t.innerText.slice(0, 300));
+  // Alerts (error / warning toasts); info toasts such as "definitions updated" are not problems.
+  const toasts = [...document.querySelectorAll(".p-toast-message")]
+    .filter((t) => /p-toast-message-(error|warn)/.test(t.className))
+    .map((t) => t.innerText.slice(0, 300));
   const unregistered = app.graph.nodes.filter((n) => !window.LiteGraph.registered_node_types[n.type]).map((n) => n.type);
   return { ids, missingNodes: seen.missingNodes.slice(), missingModels: seen.missingModels.slice(), dialogs, toasts,
     unregistered };
@@ -168,6 +171,7 @@ PROMPT_OF_GRAPH = """async () => (await window.comfyAPI.app.app.graphToPrompt())
 
 FIT_VIEW = """() => {
   const app = window.comfyAPI.app.app;
+  app.canvas.deselectAll?.(); // FitView frames the selection when there is one
   const cmd = app.extensionManager?.command;
   if (cmd?.execute) { cmd.execute("Comfy.Canvas.FitView"); return "command"; }
   return "none";

@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+from safetensors import safe_open
 
 from precision_browser import (
     CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, PAGE_READY, fit_view,
@@ -67,8 +68,8 @@ FOCUS_NODE = """(id) => {
   const node = app.graph.getNodeById(id);
   const ds = app.canvas.ds;
   ds.scale = 1;
-  ds.offset[0] = -node.pos[0] + 60;
-  ds.offset[1] = -node.pos[1] + 80;
+  ds.offset[0] = -node.pos[0] + 140; // clear of the side bar
+  ds.offset[1] = -node.pos[1] + 120; // clear of the top bar and the node title
   app.canvas.setDirty(true, true);
   return true;
 }"""
@@ -177,12 +178,17 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
     _drop(comfy_page, "inference_matching_scale.json")
     panel = comfy_page.wait_for(PANEL, timeout=30)
     rows = panel["rows"]
-    assert rows["rank"] == "4"
-    assert rows["alpha"] == "4"
-    assert rows["attention backend"] == "auto"
-    assert rows["base model"] == "flux1"
-    assert float(rows["softmax scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-3)  # multiplier 1.0, head_dim 32
-    assert rows["steps"] != "–", rows
+    with safe_open(path, "pt") as f:
+        md = f.metadata()
+    # what the run trained with (train_lora.json: rank 4, alpha 4, multiplier 1.0 on tiny Flux.1, head_dim 32)
+    assert rows["rank"] == md["ss_network_dim"] == "4"
+    assert float(rows["alpha"]) == float(md["ss_network_alpha"]) == 4.0
+    assert rows["attention backend"] == md["ss_attn_mode"] == "auto"
+    assert rows["base model"] == md["ss_base_model_version"] == "flux1"
+    assert float(rows["softmax scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-3)
+    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-12)
+    assert rows["steps"] == (md["ss_steps"] if "ss_steps" in md else "–")
+    assert "recorded attention settings are applied" in panel["text"]
     comfy_page.evaluate(FOCUS_NODE, panel["id"])
     comfy_page.screenshot("loader_metadata")
     # the loader's combo lists the file, so the graph validates as it stands
