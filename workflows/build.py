@@ -47,7 +47,7 @@ TRAIN_NOTE = (
     "5. KSampler + preview: a look at the model with the LoRA half-way.\n"
     "6. Train LoRA (second): continues the same training state (same optimizer, same loss sequence).\n"
     "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata);\n"
-    "   Loss Graph saves the learning curve."
+    "   Loss Graph draws the whole run's learning curve (raw + smoothed) and saves it (PNG + CSV)."
 )
 
 INFER_NOTE = (
@@ -163,10 +163,10 @@ def train_spec() -> dict:
             _node(12, "PrecisionSaveLoRA", [1200, 720], {
                 "filename_prefix": DEMO_LORA[: -len(".safetensors")], "folder": "loras", "save_dtype": "fp32",
                 "key_style": "auto", "use_counter": False, "overwrite": True}, size=[300, 190]),
-            _node(13, "PrecisionLossGraph", [1540, 520], {}, size=[300, 200]),
-            _node(14, "PreviewImage", [1880, 520], size=[340, 300], title="Learning curve"),
-            _note(15, [1540, 0], [680, 480], TRAIN_NOTE),
-            _note(16, [0, 830], [340, 350], SWAP_NOTE),
+            _node(13, "PrecisionLossGraph", [1540, 520], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/demo_loss"}, size=[560, 470]),
+            _note(14, [1540, 0], [680, 480], TRAIN_NOTE),
+            _note(15, [0, 830], [340, 350], SWAP_NOTE),
         ],
         "links": "train",  # filled in by train_links() from the schemas of the training nodes
     }
@@ -243,7 +243,6 @@ def train_links(info: dict) -> list[tuple]:
     graph_in = [n for n, spec in info[g]["input"]["required"].items() if spec[0] == info[t]["output"][loss_out]]
     if not graph_in:
         raise SystemExit(f"{g} has no input of type {info[t]['output'][loss_out]}")
-    graph_img = [i for i, ty in enumerate(info[g]["output"]) if ty == "IMAGE"]
     links = [
         (1, 0, 2, "model"), (2, 0, 3, "model"), (1, 0, 5, "model"), (1, 0, 6, "model"),
         (3, 0, 7, inp(t, "model")), (5, 0, 7, inp(t, "latents")), (6, 0, 7, inp(t, "conditioning")),
@@ -254,8 +253,6 @@ def train_links(info: dict) -> list[tuple]:
         (4, 0, 11, inp(t, "settings")), (7, state_out, 11, inp(t, "training_state")),
         (11, model_out, 12, "model"), (11, loss_out, 13, graph_in[0]),
     ]
-    if graph_img:
-        links.append((13, graph_img[0], 14, "images"))
     return links
 
 
