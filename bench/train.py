@@ -1,0 +1,179 @@
+"""Training step time and peak memory: PrecisionTrainLoRA vs ComfyUI's built-in TrainLoraNode.
+
+One run measures both trainers on the same tiny real ComfyUI model, data (two latents, one
+conditioning), rank, steps and dtype, with and without gradient checkpointing, each configuration in its
+own subprocess (so peak memory is not shared), and prints the ratios side by side.
+
+- step time: (t(N2 steps) - t(N1 steps)) / (N2 - N1), both node calls in the same process, so model
+  set-up and the first-step warm-up cancel out;
+- peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak resident set (polled every 2 ms)
+  above the resident set just before training.
+
+Both trainers adapt every Linear of the model (ours: targets "all"; the built-in also trains bias/norm
+diffs, which are tiny). Usage (tcmalloc makes CPU training several times faster)::
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python bench/train.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAINERS = ("ours", "builtin")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakMemory:
+    """Peak bytes above the level at ``__enter__`` (CUDA allocator, else polled RSS)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.peak, self._stop = cuda, 0, threading.Event()
+
+    def __enter__(self) -> PeakMemory:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _rss()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss() - self.base)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self._stop.set()
+            self._thread.join()
+
+
+def _setup(args: argparse.Namespace):
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import comfy_harness
+    from models import make_conditioning, make_latent, tiny_model
+
+    model = tiny_model(args.family, seed=0)
+    latents = [make_latent(model, 1, width=args.size, height=args.size, seed=s) for s in (1, 2)]
+    return comfy_harness, model, latents, make_conditioning(model, 1)
+
+
+def _ours(h, model, latents, cond, args, steps: int) -> None:
+    import torch
+
+    glue, train = h.pack_module("nodes.lora_glue"), h.pack_module("nodes.train")
+    lora, settings = h.pack_module("training.lora"), h.pack_module("training.settings")
+    cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
+                                 weight_decay=0.01)
+    with torch.inference_mode():
+        attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets="all"))
+        train.PrecisionTrainLoRA.execute([attached], latents, [cond], [steps], [0], ["bench"], settings=[cfg])
+
+
+def _builtin(h, model, latents, cond, args, steps: int) -> None:
+    import torch
+    from comfy_extras.nodes_train import TrainLoraNode
+
+    h.pack()
+    dtype = "fp32" if args.dtype == "fp32" else "bf16"
+    with torch.inference_mode():
+        TrainLoraNode.execute([model], latents, [cond], [1], [1], [steps], [1e-4], [args.rank], ["AdamW"], ["MSE"],
+                              [0], [dtype], [dtype], ["LoRA"], [args.checkpointing], ["[None]"])
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One trainer x one checkpointing setting; prints a JSON line."""
+    import torch
+
+    h, model, latents, cond = _setup(args)
+    run = _ours if args.trainer == "ours" else _builtin
+    cuda = torch.cuda.is_available()
+    with PeakMemory(cuda) as mem:
+        times = []
+        for steps in (args.warm_steps, args.warm_steps + args.steps):
+            t0 = time.perf_counter()
+            run(h, model, latents, cond, args, steps)
+            times.append(time.perf_counter() - t0)
+    step = (times[1] - times[0]) / args.steps
+    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step, "peak_bytes": mem.peak}
+
+
+def _spawn(args: argparse.Namespace, trainer: str, checkpointing: bool) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--trainer", trainer, "--family", args.family,
+           "--rank", str(args.rank), "--size", str(args.size), "--steps", str(args.steps), "--warm-steps",
+           str(args.warm_steps), "--dtype", args.dtype, "--threads", str(args.threads)]
+    if checkpointing:
+        cmd.append("--checkpointing")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return {"trainer": trainer, "checkpointing": checkpointing, "error": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", default="cosmos", choices=["cosmos", "flux1_dev", "flux2"])
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--size", type=int, default=64, help="latent image size in pixels")
+    p.add_argument("--steps", type=int, default=6, help="measured steps (difference of two runs)")
+    p.add_argument("--warm-steps", type=int, default=2)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    p.add_argument("--quick", action="store_true", help="tiny run for tests: flux1_dev, 32 px, 2 steps")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trainer", choices=TRAINERS, help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.family, args.size, args.steps, args.warm_steps = "flux1_dev", 32, 2, 1
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return []
+    rows = [_spawn(args, t, c) for c in (False, True) for t in TRAINERS]
+    _report(args, rows)
+    return rows
+
+
+def _report(args: argparse.Namespace, rows: list[dict]) -> None:
+    print(f"[Precision LoRA] bench/train.py family={args.family} size={args.size}px rank={args.rank} "
+          f"dtype={args.dtype} steps={args.steps} threads={args.threads}")
+    print(f"{'checkpointing':<14}{'trainer':<9}{'s/step':>10}{'peak MiB':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}  failed: {r['error']}")
+            continue
+        print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}{r['step_s']:>10.4f}{r['peak_bytes'] / 2**20:>10.1f}")
+    for ckpt in (False, True):
+        pair = {r["trainer"]: r for r in rows if r["checkpointing"] == ckpt and "error" not in r}
+        if len(pair) == 2:
+            t = pair["ours"]["step_s"] / pair["builtin"]["step_s"]
+            m = pair["ours"]["peak_bytes"] / max(1, pair["builtin"]["peak_bytes"])
+            print(f"ratio ours/builtin, checkpointing={ckpt}: time {t:.2f}x, peak memory {m:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Optimizer registry, LR schedules, LoRA+ groups, stochastic rounding and fp32 masters."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.optim import (BASE_LR_KEY, OPTIMIZERS, MasterWeights, apply_lr, available, build_optimizer,
+                            lr_multiplier, stochastic_round_)
+from training.settings import TrainSettings
+
+
+def _mults(steps, **kw):
+    s = TrainSettings(**kw)
+    s.validate()
+    return [lr_multiplier(i, s) for i in steps]
+
+
+def test_schedules_against_closed_forms():
+    assert _mults(range(3), lr_schedule="constant") == [1.0, 1.0, 1.0]
+    assert _mults([0, 1, 3, 10], lr_schedule="constant_with_warmup", warmup_steps=3) == [0.25, 0.5, 1.0, 1.0]
+    lin = _mults([0, 2, 6, 12, 20], lr_schedule="linear", warmup_steps=2, schedule_steps=12)
+    assert lin == pytest.approx([1 / 3, 1.0, 0.6, 0.0, 0.0])
+    cos = _mults([0, 5, 10, 11], lr_schedule="cosine", schedule_steps=10)
+    assert cos == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    restarts = _mults([0, 2, 5, 7, 9], lr_schedule="cosine_with_restarts", schedule_steps=10, restarts=2)
+    assert restarts == pytest.approx([1.0, 0.5 * (1 + math.cos(math.pi * 0.4)), 1.0,
+                                      0.5 * (1 + math.cos(math.pi * 0.4)), 0.5 * (1 + math.cos(math.pi * 0.8))])
+
+
+def test_apply_lr_keeps_loraplus_ratio_per_group():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    s = TrainSettings(learning_rate=1e-3, lr_schedule="linear", schedule_steps=4, loraplus_ratio=16)
+    opt = build_optimizer([{"params": [a], "lr": 1e-3}, {"params": [b], "lr": 1.6e-2}], s)
+    assert [g[BASE_LR_KEY] for g in opt.param_groups] == [1e-3, 1.6e-2]
+    apply_lr(opt, 2, s)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 8e-3])
+
+
+def test_registry_reports_unavailable_instead_of_hiding():
+    av = available()
+    assert set(av) == set(OPTIMIZERS) >= {"adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor", "sgd"}
+    assert av["adamw"] is None and av["sgd"] is None and av["adafactor"] is None
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert av["adamw8bit"] == "unavailable: pip install bitsandbytes"
+        with pytest.raises(ValueError, match="optimizer 'adamw8bit' is unavailable: pip install bitsandbytes"):
+            build_optimizer([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 1.0}], TrainSettings(optimizer="adamw8bit"))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor"])
+def test_torch_optimizers_build_and_step(name):
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = build_optimizer([{"params": [p], "lr": 1e-2}], TrainSettings(optimizer=name, learning_rate=1e-2))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert float(p.detach().max()) < 1.0
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((200_000,), 1.0 + 2**-10, dtype=torch.float32)  # between two bf16 neighbours
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    stochastic_round_(out, x, torch.Generator().manual_seed(0))
+    values = set(out.float().unique().tolist())
+    assert values == {1.0, 1.0078125}
+    assert float(out.float().mean()) == pytest.approx(1.0 + 2**-10, abs=2e-5)
+    nearest = x.to(torch.bfloat16).float().mean()
+    assert float(nearest) == 1.0  # round-to-nearest loses the update entirely
+
+
+def test_master_weights_accumulate_updates_below_bf16_resolution():
+    p = torch.nn.Parameter(torch.ones(50_000, dtype=torch.bfloat16))
+    groups = [{"params": [p], "lr": 1e-4}]
+    masters = MasterWeights(groups, torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(groups, lr=1e-4)
+    for _ in range(20):
+        p.grad = torch.ones_like(p)
+        masters.pull_grads()
+        opt.step()
+        masters.push()
+    expected = 1.0 - 20 * 1e-4
+    master = next(iter(masters.masters()))[1]
+    assert float(master.detach().mean()) == pytest.approx(expected, abs=1e-6)
+    assert float(p.float().mean()) == pytest.approx(expected, abs=1e-4)  # unbiased on average
