@@ -196,3 +196,27 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
         .find((n) => n.type === "PrecisionLoadLoRA").widgets.find((w) => w.name === "lora_name").options.values""")
     assert DEMO_LORA in options
     assert comfy_page.pack_errors() == []
+
+
+def test_inference_workflow_runs_from_the_page_on_the_trained_lora(training_run, comfy_page, comfy_server):
+    """Continues from the test above: the inference graph in the page is queued with Run as it stands."""
+    _, before = comfy_server.get("/history")
+    comfy_page.call("click", selector='[data-testid="queue-button"]')
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        _, hist = comfy_server.get("/history")
+        if len(hist) > len(before):
+            break
+        time.sleep(0.3)
+    entry = _wait_idle(comfy_server)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    assert entry["prompt"][2]  # the prompt the page sent
+    classes = {v["class_type"] for v in entry["prompt"][2].values()}
+    assert {"PrecisionLoadLoRA", "KSampler", "SaveImage"} <= classes
+    lora = next(v for v in entry["prompt"][2].values() if v["class_type"] == "PrecisionLoadLoRA")
+    assert lora["inputs"]["lora_name"] == DEMO_LORA
+    images = [img for out in entry["outputs"].values() for img in out.get("images", [])]
+    assert images and os.path.isfile(comfy_server.output_path(images[0]["subfolder"], images[0]["filename"]))
+    fit_view(comfy_page)
+    comfy_page.screenshot("inference_done")
+    assert comfy_page.pack_errors() == []
