@@ -117,3 +117,26 @@ def test_training_over_http_with_events_and_stock_loadable_lora(server):
 def test_control_route_without_training_is_409(server):
     status, body = server.request("/precision_lora/train/control", {"action": "stop"})
     assert (status, body) == (409, {"ok": False, "error": "no training is running"})
+
+
+def test_two_chained_training_nodes_save_the_same_lora_as_one(server):
+    """In the real executor: Train(2) -> Train(2, training_state) saves the same tensors as Train(4)."""
+    prompt = _train_prompt()
+    for key in ("8", "9", "10"):
+        del prompt[key]
+    prompt["6"]["inputs"]["steps"] = 2
+    prompt["11"] = {"class_type": "PrecisionTrainLoRA", "inputs": {
+        "model": ["6", 0], "latents": ["4", 0], "conditioning": ["3", 0], "settings": ["5", 0],
+        "training_state": ["6", 1], "steps": 2, "seed": 0, "name": "e2e_chain"}}
+    prompt["7"]["inputs"].update(model=["11", 0], filename_prefix="e2e_chain/two")
+    prompt["12"] = {"class_type": "PrecisionTrainLoRA", "inputs": {
+        "model": ["2", 0], "latents": ["4", 0], "conditioning": ["3", 0], "settings": ["5", 0],
+        "steps": 4, "seed": 0, "name": "e2e_chain"}}
+    prompt["13"] = {"class_type": "PrecisionSaveLoRA", "inputs": {**prompt["7"]["inputs"], "model": ["12", 0],
+                                                                  "filename_prefix": "e2e_chain/one"}}
+    entry = server.run(prompt)
+    (two,), (one,) = entry["outputs"]["7"]["text"], entry["outputs"]["13"]["text"]
+    a, b = safetensors.torch.load_file(two), safetensors.torch.load_file(one)
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("lora_up.weight") and a[k].abs().max() > 0 for k in a)
