@@ -43,3 +43,41 @@ def test_dropped_workflow_loads_cleanly_and_queues_its_twin(comfy_page, path):
     queued = comfy_page.evaluate(PROMPT_OF_GRAPH)
     assert normalise_prompt(queued) == normalise_prompt(twin)
     assert comfy_page.pack_errors() == []
+
+
+SCALE_TEXT = """(id) => {
+  const node = window.comfyAPI.app.app.graph.getNodeById(id);
+  const el = node?.precisionScale?.el;
+  return el && el.dataset.headDim ? { text: el.textContent, headDim: el.dataset.headDim } : false;
+}"""
+
+SET_BY_USER = """([id, name, value]) => {
+  const node = window.comfyAPI.app.app.graph.getNodeById(id);
+  const w = node.widgets.find((x) => x.name === name);
+  w.value = value;
+  w.callback?.(value); // what the widget does when the user edits it
+  return w.value;
+}"""
+
+
+def test_patch_attention_shows_the_resolved_scale_for_the_connected_model(comfy_page):
+    with open(os.path.join(ROOT, "workflows", "train_lora.json")) as f:
+        text = f.read()
+    workflow = json.loads(text)
+    att = next(n["id"] for n in workflow["nodes"] if n["type"] == "PrecisionPatchAttention")
+    comfy_page.evaluate(DROP_WORKFLOW, {"name": "train_lora.json", "text": text})
+    comfy_page.wait_for(GRAPH_LOADED, sorted(n["id"] for n in workflow["nodes"]), timeout=60)
+    first = comfy_page.wait_for(SCALE_TEXT, att, timeout=30)
+    assert first["headDim"] == "32"  # tiny Flux.1 upstream: hidden 64 / 2 heads
+    assert "scale = 0.1768 for head_dim 32" in first["text"], first
+    comfy_page.evaluate(SET_BY_USER, [att, "scale_value", 2.0])
+    doubled = comfy_page.wait_for(
+        f"() => {{ const s = ({SCALE_TEXT})({att}); return s && s.text.includes('0.3536') ? s : false; }}", timeout=10)
+    assert "(2 × 1/sqrt(d))" in doubled["text"]
+    comfy_page.evaluate(SET_BY_USER, [att, "scale_mode", "absolute"])
+    comfy_page.evaluate(SET_BY_USER, [att, "scale_value", 0.25])
+    absolute = comfy_page.wait_for(
+        f"() => {{ const s = ({SCALE_TEXT})({att}); return s && s.text.startsWith('scale = 0.25 for') ? s : false; }}",
+        timeout=10)
+    assert "head_dim 32" in absolute["text"]
+    assert comfy_page.pack_errors() == []
