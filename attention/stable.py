@@ -1,15 +1,20 @@
 """Stable-softmax attention (Qiu & Yao, arXiv 2510.04212), hardened as in PRECISION.md §3.
 
-Tiled online softmax over key tiles: memory O(B·H·Lq × tile). In each tile the running row max r is
-updated; when two or more logits of the row lie within ``tau`` of r (a tie or near-tie, which would
-make bf16(P̄) == 1 twice), the offset becomes m = r + Δ with a row-dependent
-Δ ≈ (β−1)·r if r > 0 else −r, kept in [0.01, 60] (see ``row_shift``), so no P̄ = exp(S − m) reaches 1. Softmax is
-shift-invariant, so in exact arithmetic the output is unchanged; the clamp keeps ℓ > 0 (no NaN for
-row maxima up to hundreds) and handles r == 0 and tiny r.
+Blocked online softmax: query rows in chunks, keys in tiles, so the live logits block is
+B·H × q_chunk × tile (about 4 MiB) whatever the sequence length: memory O(rows × tile).
+In each tile the running row max r is updated; when two or more logits of the row lie within ``tau``
+of r (a tie or near-tie, which would make bf16(P̄) == 1 twice), the offset becomes m = r + Δ with a
+row-dependent Δ ≈ (β−1)·r if r > 0 else −r, kept in [0.01, 60] (see ``row_shift``), so no
+P̄ = exp(S − m) reaches 1. Softmax is shift-invariant, so in exact arithmetic the output is
+unchanged; the bounds keep ℓ > 0 (no NaN for row maxima in the hundreds) and handle r == 0.
 
-Backward recomputes P = exp(S − LSE) per tile (LSE = m + log ℓ), so it needs no stored probabilities.
-``emulate`` rounds P̄ (and optionally the tile product P̄V) to bf16 like a low-precision kernel would,
-for the bias tests: "kernel" = bf16 P̄, fp32 Ō accumulator; "paper" = bf16 P̄ and bf16 tile products.
+Where P̄ is rounded: for bf16/fp16 inputs P̄ is cast to the input dtype for the P̄·V product (as flash
+kernels do; ℓ is summed from the fp32 P̄), which is where the bias arises and the shift acts. For
+fp32/fp64 inputs nothing rounds P̄, the shift could only change fp32 rounding noise, and by default
+(``shift=None``) the tie scan is skipped there. ``emulate`` imitates a bf16 kernel on fp32 inputs for
+the bias tests: "kernel" = bf16 P̄ and V, fp32 Ō accumulator; "paper" = also bf16 tile products.
+
+Backward recomputes P = exp(S − LSE) block by block (LSE = m + log ℓ): no stored probabilities.
 """
 from __future__ import annotations
 
@@ -24,19 +29,22 @@ TIE_TOLERANCE = 0.00196  # > -ln(1 - 2**-9): any logit this close to the max giv
 SHIFT_MIN = 0.01
 SHIFT_MAX = 60.0
 EMULATIONS = ("none", "kernel", "paper")
-TILE_BUDGET_ELEMENTS = 1 << 25  # B·H·Lq·tile fp32 elements per logits tile (128 MiB)
+BLOCK_ELEMENTS = 1 << 19  # fp32 logits per block (2 MiB): stays in cache / out of mmap territory
+DEFAULT_TILE = 512
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class StableOptions:
-    """beta in [1.5, 8]; tau: tie tolerance; softclamp: 0 = off; tile: keys per tile (0 = by memory
-    budget); shift: False gives plain online softmax (for comparisons); emulate: see module doc."""
+    """beta in [1.5, 8]; tau: tie tolerance; softclamp: 0 = off; tile: keys per tile (0 = automatic);
+    shift: True / False (plain online softmax, for comparisons) / None = on where P̄ is rounded
+    (low-precision inputs or ``emulate``); emulate: see module doc."""
 
     beta: float = 2.0
     tau: float = TIE_TOLERANCE
     softclamp: float = 0.0
     tile: int = 0
-    shift: bool = True
+    shift: bool | None = None
     emulate: str = "none"
 
     def validate(self) -> None:
@@ -49,11 +57,24 @@ class StableOptions:
         if self.tile < 0:
             raise ValueError(f"stable tile={self.tile!r} is invalid; use 0 (automatic) or a positive key count")
 
+    def shift_on(self, pv_dtype: torch.dtype | None) -> bool:
+        if self.shift is not None:
+            return self.shift
+        return self.emulate != "none" or pv_dtype is not None
 
-def _tile_size(rows: int, keys: int, tile: int) -> int:
-    if tile > 0:
-        return min(tile, keys)
-    return max(64, min(keys, TILE_BUDGET_ELEMENTS // max(rows, 1)))
+
+def _blocks(q: torch.Tensor, lk: int, tile: int) -> tuple[int, int]:
+    """(query rows per chunk, keys per tile) so one logits block holds about BLOCK_ELEMENTS."""
+    bh, lq = q.shape[0] * q.shape[1], q.shape[2]
+    tile = min(tile if tile > 0 else DEFAULT_TILE, lk)
+    return max(1, min(lq, BLOCK_ELEMENTS // max(bh * tile, 1))), tile
+
+
+def _rows(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """The mask's query rows start:end (a broadcast row dim stays)."""
+    if mask is None or mask.shape[2] == 1:
+        return mask
+    return mask[:, :, start:end]
 
 
 def row_shift(r: torch.Tensor, beta: float) -> torch.Tensor:
@@ -73,13 +94,14 @@ def _row_offset(r: torch.Tensor, tied: torch.Tensor, beta: float) -> torch.Tenso
     return torch.where(tied, r + row_shift(r, beta), r)
 
 
-def _logits(q: torch.Tensor, k_tile: torch.Tensor, softclamp: float, mask_tile: torch.Tensor | None) -> torch.Tensor:
-    """q already scaled (fp32); returns (B,H,Lq,T) fp32 logits with softclamp and mask applied."""
-    s = torch.matmul(q, k_tile.transpose(-1, -2))
+def _logits(q: torch.Tensor, kt_tile: torch.Tensor, softclamp: float, mask_tile: torch.Tensor | None) -> torch.Tensor:
+    """q already scaled (fp32), kt_tile = kᵀ tile (B,H,D,T); returns (B,H,rows,T) fp32 logits with
+    softclamp and mask applied."""
+    s = torch.matmul(q, kt_tile)
     if softclamp > 0:
         s = torch.tanh(s.div_(softclamp)).mul_(softclamp)
     if mask_tile is not None:
-        s = s + mask_tile
+        s = s.add_(mask_tile)
     return s
 
 
@@ -87,27 +109,29 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-def stable_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None, opts: StableOptions
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B,H,Lq,D), k (B,H,Lk,D), v (B,H,Lk,Dv) fp32; mask additive fp32 4-D or None.
+def _tile_product(p: torch.Tensor, v_tile: torch.Tensor, emulate: str, pv_dtype: torch.dtype | None) -> torch.Tensor:
+    """P̄·V for one tile, fp32 result. pv_dtype: round P̄ to it for the product (low-precision inputs)."""
+    if pv_dtype is not None:
+        return torch.matmul(p.to(pv_dtype), v_tile.to(pv_dtype)).float()
+    if emulate == "none":
+        return torch.matmul(p, v_tile)
+    product = torch.matmul(_bf16(p), _bf16(v_tile))
+    return _bf16(product) if emulate == "paper" else product
 
-    Returns (out (B,H,Lq,Dv) fp32, lse (B,H,Lq,1) fp32 with -inf on fully masked rows,
-    triggered (B,H,Lq,1) bool: rows where the shift fired in some tile).
-    """
-    qs = q * scale
-    lk = k.shape[2]
-    tile = _tile_size(q.shape[0] * q.shape[1] * q.shape[2], lk, opts.tile)
+
+def _forward_rows(qs, kt, v, mask, opts: StableOptions, tile: int, pv_dtype, shift: bool):
+    """Online softmax of one chunk of query rows over all key tiles (kt = kᵀ, (B,H,D,Lk))."""
+    lk = kt.shape[3]
     r = m = l = acc = count = None
-    triggered = torch.zeros(q.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
+    triggered = torch.zeros(qs.shape[:-1] + (1,), dtype=torch.bool, device=qs.device) if shift else None
     for start in range(0, lk, tile):
         end = min(start + tile, lk)
-        s = _logits(qs, k[:, :, start:end], opts.softclamp, None if mask is None else mask[..., start:end])
+        s = _logits(qs, kt[..., start:end], opts.softclamp, None if mask is None else mask[..., start:end])
         tile_max = s.amax(dim=-1, keepdim=True)
         r_new = tile_max if r is None else torch.maximum(r, tile_max)
         live = torch.isfinite(r_new)
         r_safe = torch.where(live, r_new, torch.zeros_like(r_new))
-        if opts.shift:
+        if shift:
             near = (s >= r_new - opts.tau).sum(dim=-1, keepdim=True)
             count = near if count is None else torch.where(r >= r_new - opts.tau, count, 0) + near
             tied = (count > 1) & live
@@ -115,67 +139,92 @@ def stable_forward(
             m_new = _row_offset(r_safe, tied, opts.beta)
         else:
             m_new = r_safe
-        p = torch.exp(s.sub_(m_new))
+        p = s.sub_(m_new).exp_()
         row_sum = p.sum(dim=-1, keepdim=True)
-        pv = _tile_product(p, v[:, :, start:end], opts.emulate)
+        pv = _tile_product(p, v[:, :, start:end], opts.emulate, pv_dtype)
         if acc is None:
             l, acc = row_sum, pv
         else:
             # m_new >= r_new >= r and m <= r + 60, so the factor is at most e^60: no overflow.
             alpha = torch.where(l > 0, torch.exp(m - m_new), torch.zeros_like(l))
-            l = l * alpha + row_sum
-            acc = acc * alpha + pv
+            l = l.mul_(alpha).add_(row_sum)
+            acc = acc.mul_(alpha).add_(pv)
         r, m = r_new, m_new
     alive = l > 0
-    out = acc / torch.where(alive, l, torch.ones_like(l))
-    lse = torch.where(alive, m + torch.log(torch.where(alive, l, torch.ones_like(l))), torch.full_like(l, float("-inf")))
-    return out, lse, triggered
+    safe_l = torch.where(alive, l, torch.ones_like(l))
+    lse = torch.where(alive, m + torch.log(safe_l), torch.full_like(l, float("-inf")))
+    return acc.div_(safe_l), lse, triggered
 
 
-def _tile_product(p: torch.Tensor, v_tile: torch.Tensor, emulate: str) -> torch.Tensor:
-    if emulate == "none":
-        return torch.matmul(p, v_tile)
-    product = torch.matmul(_bf16(p), _bf16(v_tile))
-    return _bf16(product) if emulate == "paper" else product
+def stable_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+    opts: StableOptions, pv_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B,H,Lq,D), k (B,H,Lk,D) fp32; v (B,H,Lk,Dv) fp32 (or ``pv_dtype``); mask additive fp32 4-D
+    or None. ``pv_dtype`` (bf16/fp16): P̄ is rounded to it for the P̄·V product, like a flash kernel.
+
+    Returns (out (B,H,Lq,Dv) fp32, lse (B,H,Lq,1) fp32 with -inf on fully masked rows,
+    triggered (B,H,Lq,1) bool: rows where the shift fired in some tile).
+    """
+    shift = opts.shift_on(pv_dtype)
+    lq = q.shape[2]
+    chunk, tile = _blocks(q, k.shape[2], opts.tile)
+    kt = k.transpose(-1, -2).contiguous()  # one copy; plain GEMM layout for every block
+    outs, lses, trigs = [], [], []
+    for start in range(0, lq, chunk):
+        end = min(start + chunk, lq)
+        out, lse, trig = _forward_rows(q[:, :, start:end] * scale, kt, v, _rows(mask, start, end), opts, tile,
+                                       pv_dtype, shift)
+        outs.append(out)
+        lses.append(lse)
+        trigs.append(trig)
+    triggered = torch.cat(trigs, dim=2) if shift else torch.zeros(q.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), triggered
 
 
 def stable_backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, scale: float, mask: torch.Tensor | None, opts: StableOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) in fp32 by recomputing P = exp(S − LSE) tile by tile."""
-    qs = q * scale
+    """Gradients (dq, dk, dv) in fp32 by recomputing P = exp(S − LSE) block by block."""
     delta = (grad_out * out).sum(dim=-1, keepdim=True)
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    lk = k.shape[2]
-    tile = _tile_size(q.shape[0] * q.shape[1] * q.shape[2], lk, opts.tile)
+    lq, lk = q.shape[2], k.shape[2]
+    chunk, tile = _blocks(q, lk, opts.tile)
+    kt = k.transpose(-1, -2).contiguous()
     dq = torch.zeros_like(q)
-    dks, dvs = [], []
-    for start in range(0, lk, tile):
-        end = min(start + tile, lk)
-        k_t, v_t = k[:, :, start:end], v[:, :, start:end]
-        raw = torch.matmul(qs, k_t.transpose(-1, -2))
-        s = raw
-        if opts.softclamp > 0:
-            t = torch.tanh(raw / opts.softclamp)
-            s = t * opts.softclamp
-        if mask is not None:
-            s = s + mask[..., start:end]
-        p = torch.exp(s - lse_safe)
-        dvs.append(torch.matmul(p.transpose(-1, -2), grad_out))
-        ds = p * (torch.matmul(grad_out, v_t.transpose(-1, -2)) - delta)
-        if opts.softclamp > 0:
-            ds = ds * (1.0 - t * t)
-        dq += torch.matmul(ds, k_t) * scale
-        dks.append(torch.matmul(ds.transpose(-1, -2), q) * scale)
-    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+    dk = torch.zeros(q.shape[:2] + k.shape[2:], dtype=q.dtype, device=q.device)
+    dv = torch.zeros(q.shape[:2] + v.shape[2:], dtype=q.dtype, device=q.device)
+    for qa in range(0, lq, chunk):
+        qb = min(qa + chunk, lq)
+        q_c, g_c = q[:, :, qa:qb], grad_out[:, :, qa:qb]
+        qs, mask_c = q_c * scale, _rows(mask, qa, qb)
+        for ka in range(0, lk, tile):
+            kb = min(ka + tile, lk)
+            k_t, v_t = k[:, :, ka:kb], v[:, :, ka:kb]
+            s = torch.matmul(qs, kt[..., ka:kb])
+            if opts.softclamp > 0:
+                t = torch.tanh(s / opts.softclamp)
+                s = t * opts.softclamp
+            if mask_c is not None:
+                s = s + mask_c[..., ka:kb]
+            p = s.sub_(lse_safe[:, :, qa:qb]).exp_()
+            dv[:, :, ka:kb] += torch.matmul(p.transpose(-1, -2), g_c)
+            ds = p.mul_(torch.matmul(g_c, v_t.transpose(-1, -2)).sub_(delta[:, :, qa:qb]))
+            if opts.softclamp > 0:
+                ds = ds * (1.0 - t * t)
+            dq[:, :, qa:qb] += torch.matmul(ds, k_t) * scale
+            dk[:, :, ka:kb] += torch.matmul(ds.transpose(-1, -2), q_c) * scale
+    return dq, dk, dv
 
 
 class _StableAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, opts):  # type: ignore[override]
-        qf, kf, vf = q.float(), k.float(), v.float()
-        out, lse, triggered = stable_forward(qf, kf, vf, scale, mask, opts)
+        low = q.dtype in LOW_PRECISION and opts.emulate == "none"
+        pv_dtype = q.dtype if low else None
+        out, lse, triggered = stable_forward(q.float(), k.float(), v if low else v.float(), scale, mask, opts,
+                                             pv_dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale, ctx.opts = scale, opts
         ctx.mark_non_differentiable(triggered)
@@ -216,6 +265,6 @@ def stable_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
     layout: str = "bhld", options: StableOptions | None = None,
 ) -> torch.Tensor:
-    """The ``stable`` backend. q/k/v in ``layout`` (any float dtype; computed in fp32), output in q's
-    dtype and layout. Differentiable (custom backward). Fully masked rows give zeros."""
+    """The ``stable`` backend. q/k/v in ``layout`` (any float dtype; logits and softmax in fp32; P̄·V in
+    the input dtype for bf16/fp16 inputs), output in q's dtype and layout. Differentiable (custom backward). Fully masked rows give zeros."""
     return stable_attention_with_stats(q, k, v, scale=scale, mask=mask, layout=layout, options=options)[0]

@@ -29,7 +29,7 @@ def test_equals_standard_attention_in_fp32(tile, mask_kind):
     if mask_kind == "bool":
         mask = torch.rand(2, 1, 33, 40, generator=torch.Generator().manual_seed(5)) > 0.3
         mask[..., 0] = True
-    out = stable_attention(q, k, v, scale=0.4, mask=mask, options=StableOptions(tile=tile))
+    out = stable_attention(q, k, v, scale=0.4, mask=mask, options=StableOptions(tile=tile, shift=True))
     ref = reference_attention(q.double(), k.double(), v.double(), scale=0.4, mask=mask)
     rel = ((out.double() - ref).norm() / ref.norm()).item()
     assert rel <= 1e-6, f"relative error {rel:.2e}"
@@ -40,9 +40,10 @@ def test_shift_fires_on_tied_rows_only():
     q[:, :, :5] = 0.0  # rows of zeros: every logit ties at 0 (r == 0 case)
     k2 = k.clone()
     k2[:, :, 3] = k2[:, :, 0] + 10.0  # break the ties in a copy
-    _, fired = stable_attention_with_stats(q, k, v, scale=0.5)
+    on = StableOptions(shift=True)
+    _, fired = stable_attention_with_stats(q, k, v, scale=0.5, options=on)
     assert fired[:, :, :5].all()
-    _, fired_untied = stable_attention_with_stats(torch.randn_like(q), torch.randn_like(k), v, scale=0.5)
+    _, fired_untied = stable_attention_with_stats(torch.randn_like(q), torch.randn_like(k), v, scale=0.5, options=on)
     assert fired_untied.float().mean().item() < 0.05
 
 
@@ -56,7 +57,7 @@ def test_no_nan_and_exact_with_large_or_degenerate_row_maxima(row_max, beta):
     k = torch.eye(lk, d)[None, None]
     v = torch.randn(1, 1, lk, 8, generator=torch.Generator().manual_seed(2))
     q.requires_grad_(True)
-    out = stable_attention(q, k, v, scale=1.0, options=StableOptions(beta=beta, tile=8))
+    out = stable_attention(q, k, v, scale=1.0, options=StableOptions(beta=beta, tile=8, shift=True))
     out.sum().backward()
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     ref = reference_attention(q.detach().double(), k.double(), v.double(), scale=1.0)
@@ -132,7 +133,7 @@ def test_gradients_match_the_math_backend(softclamp, tile):
     for fn in ("stable", "math"):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         if fn == "stable":
-            out = stable_attention(*leaves, scale=0.6, mask=mask, options=StableOptions(softclamp=softclamp, tile=tile))
+            out = stable_attention(*leaves, scale=0.6, mask=mask, options=StableOptions(softclamp=softclamp, tile=tile, shift=True))
         else:
             out = math_attention(*leaves, scale=0.6, mask=mask, softclamp=softclamp)
         out.backward(grad_out)
@@ -157,3 +158,34 @@ def test_bad_options_are_rejected():
         stable_attention(q, k, v, scale=0.2, options=StableOptions(beta=9.0))
     with pytest.raises(ValueError, match="stable emulate='fp8' is unknown"):
         stable_attention(q, k, v, scale=0.2, options=StableOptions(emulate="fp8"))
+
+
+@pytest.mark.parametrize("ties, near", [(2, 0.0), (4, 0.0)])
+def test_bf16_inputs_production_path_is_unbiased_with_the_shift(ties, near):
+    """No emulation: bf16 inputs round P̄ to bf16 for P̄·V like a flash kernel, so the bias is real
+    there, and the default (shift on for low precision) removes it."""
+    q, k, v = (t.to(torch.bfloat16) for t in _sink_scenario(ties, near))
+    ref = reference_attention(q.double(), k.double(), v.double(), scale=1.0)
+    ratios = {}
+    for shift in (False, None):
+        err = stable_attention(q, k, v, scale=1.0, options=StableOptions(shift=shift)).double() - ref
+        ratios[shift] = (err.mean() / err.abs().mean()).item()
+    assert abs(ratios[False]) >= 0.25 and abs(ratios[None]) <= 0.05, ratios
+
+
+def test_many_query_chunks_and_key_tiles_match_reference(monkeypatch):
+    import attention.stable as stable
+
+    monkeypatch.setattr(stable, "BLOCK_ELEMENTS", 64)  # forces 2-row chunks over 8-key tiles
+    q, k, v = _tied_inputs(seed=8)
+    mask = torch.randn(2, 1, 33, 40, generator=torch.Generator().manual_seed(9))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = stable.stable_attention(*leaves, scale=0.5, mask=mask, options=StableOptions(tile=8, shift=True))
+    refs = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*refs, scale=0.5, mask=mask)
+    assert (out.double() - ref).abs().max().item() < 2e-6
+    grad = torch.randn_like(ref)
+    out.backward(grad.float())
+    ref.backward(grad)
+    for mine, exact in zip(leaves, refs):
+        assert (mine.grad.double() - exact.grad).abs().max().item() < 5e-6
