@@ -100,7 +100,13 @@ def _group_key(conds: dict[str, Any]) -> tuple:
 
 def build_samples(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
                   device: torch.device) -> list[Sample]:
-    """Validated training samples. Must run outside inference mode (see ``training.grad.autograd_enabled``)."""
+    """Validated training samples; tensors are normal (non-inference) copies whatever mode the caller is in."""
+    with torch.inference_mode(False):
+        return _build(model, latents, conditionings, class_conditionings, device)
+
+
+def _build(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
+           device: torch.device) -> list[Sample]:
     if not latents:
         raise _err("latents", "the dataset is empty: connect at least one latent")
     if not conditionings:
