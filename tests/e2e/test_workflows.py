@@ -7,6 +7,8 @@ import glob
 import json
 import math
 import os
+import shutil
+import uuid
 
 import numpy as np
 import pytest
@@ -174,6 +176,11 @@ def test_inference_twin_uses_the_trained_lora_and_its_scale(server, trained):
     save = _nodes_of(prompt, "SaveImage")[0]
     loader = _nodes_of(prompt, "PrecisionLoadLoRA")[0]
     assert prompt[loader]["inputs"]["lora_name"] == DEMO_LORA
+    # The file the training twin wrote, under a name this server session has never loaded: ComfyUI caches a
+    # node's output by its inputs, so an earlier run on demo_lora (e.g. the browser tests') cannot stand in.
+    fresh = f"precision_lora/e2e_{uuid.uuid4().hex}.safetensors"
+    shutil.copyfile(trained[2], os.path.join(server.base_dir, "models", "loras", *fresh.split("/")))
+    prompt[loader]["inputs"]["lora_name"] = fresh
     with_lora = _saved_image(server, server.run(prompt), save)
     assert with_lora.shape == (64, 64, 3)
     ignored = copy.deepcopy(prompt)
