@@ -33,6 +33,12 @@ def _known_backends() -> tuple[str, ...]:
     return (AUTO_BACKEND, *BACKENDS)
 
 
+def _usable_backends() -> list[str]:
+    from .backends import available
+
+    return [AUTO_BACKEND] + [name for name, reason in available().items() if reason is None]
+
+
 def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -63,7 +69,10 @@ class AttentionConfig:
         """Raise ValueError naming the field, the bad value and the fix."""
         known = _known_backends()
         if self.backend not in known:
-            raise ValueError(f"backend={self.backend!r} is unknown; choose one of {', '.join(known)}")
+            raise ValueError(
+                f"backend={self.backend!r} is unknown; choose one of {', '.join(known)} "
+                f"(usable here: {', '.join(_usable_backends())})"
+            )
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode={self.scale_mode!r} is unknown; choose one of {', '.join(SCALE_MODES)}")
         if self.scale_mode != "default" and not (_finite(self.scale_value) and self.scale_value > 0):

@@ -11,7 +11,7 @@ from attention.config import METADATA_KEYS, AttentionConfig
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"backend": "nope"}, "backend='nope' is unknown; choose one of auto, sdpa, math, stable, flash, sage, xformers"),
+        ({"backend": "nope"}, "backend='nope' is unknown; choose one of auto, sdpa, math, stable, flash, sage, xformers (usable here: auto, sdpa, math, stable"),
         ({"scale_mode": "weird"}, "scale_mode='weird' is unknown"),
         ({"scale_mode": "absolute", "scale_value": 0.0}, "scale_value=0.0 is invalid for scale_mode='absolute'"),
         ({"scale_mode": "absolute", "scale_value": -0.1}, "must be a finite number > 0"),
