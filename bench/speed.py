@@ -3,7 +3,9 @@
 Each bench runs as its own process (``bench/<name>.py`` [--quick]); ratios are read from what it prints:
 - markdown tables: every column whose header contains "/" (e.g. ``stable/sdpa``) is a ratio, one per row,
   labelled by the row's first cell;
-- text lines ``... ratio <label> = <number>`` (e.g. ``ratio fp32/bf16 = 1.23``).
+- text lines ``... ratio <label> = <number>`` (e.g. ``ratio fp32/bf16 = 1.23``), or
+  ``ratio <label>, <case>: <name> <number>x, <name> <number>x`` (e.g. ``ratio ours/builtin, checkpointing=False:
+  time 1.23x, peak memory 0.90x``).
 A bench that does not exist (yet) or fails is reported as such in the table, never skipped silently.
 
 Run: ``.venv/bin/python bench/speed.py`` (every bench in full mode) or ``--quick``; ``--only lora`` runs one.
@@ -24,7 +26,10 @@ BENCHES = {  # name -> (what its ratios mean, owner)
     "lora": ("fp32-accumulating vs plain bf16 LoRA layer, forward+backward", "issue 7"),
     "train": ("our training step vs ComfyUI's built-in trainer; memory", "issue 4"),
 }
-_LINE_RATIO = re.compile(r"ratio\s+(?P<label>[^=]+?)\s*=\s*(?P<value>[-+0-9.eE]+)")
+_NUM = r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
+_LINE_RATIO = re.compile(rf"ratio\s+(?P<label>[^=,:]+?)\s*=\s*(?P<value>{_NUM})")
+_LINE_PAIRS = re.compile(r"ratio\s+(?P<label>[^\s,:=]+)[,\s]*(?P<case>[^:]*):(?P<rest>.*)")
+_PAIR = re.compile(rf"(?P<name>[A-Za-z][A-Za-z ]*?)\s+(?P<value>{_NUM})x")
 _NUMBER = re.compile(r"^\s*\**(?P<value>[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)x?\**\s*$")
 
 
@@ -70,11 +75,18 @@ def parse_ratios(bench: str, text: str) -> list[Ratio]:
             before = line[:match.start()]
             case = (before.split(":")[0] if ":" in before else before).strip(" ,;") or "-"
             found.append(Ratio(bench, case, match["label"].strip(), float(match["value"])))
+        pairs = _LINE_PAIRS.search(line)
+        if pairs and not _LINE_RATIO.search(line):
+            for pair in _PAIR.finditer(pairs["rest"]):
+                name = f"{pairs['label']} {pair['name'].strip()}"
+                found.append(Ratio(bench, pairs["case"].strip() or "-", name, float(pair["value"])))
     return found
 
 
-def run_bench(name: str, quick: bool, timeout: float, bench_dir: str) -> tuple[list[Ratio], float]:
-    """Run ``bench_dir/<name>.py`` and parse it; a missing or failing bench gives one Ratio with a note."""
+def run_bench(name: str, quick: bool, timeout: float, bench_dir: str,
+              log_dir: str | None = None) -> tuple[list[Ratio], float]:
+    """Run ``bench_dir/<name>.py`` and parse it; a missing or failing bench gives one Ratio with a note.
+    With ``log_dir`` its stdout is also written to ``log_dir/<name>.txt``."""
     path = os.path.join(bench_dir, f"{name}.py")
     if not os.path.exists(path):
         return [Ratio(name, "-", "-", None, f"not available: bench/{name}.py does not exist yet ({BENCHES.get(name, ('', '?'))[1]})")], 0.0
@@ -88,6 +100,10 @@ def run_bench(name: str, quick: bool, timeout: float, bench_dir: str) -> tuple[l
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:160]
         return [Ratio(name, "-", "-", None, f"failed (exit {proc.returncode}): {tail}")], elapsed
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        with open(os.path.join(log_dir, f"{name}.txt"), "w", encoding="utf-8") as f:
+            f.write(proc.stdout)
     ratios = parse_ratios(name, proc.stdout)
     return ratios or [Ratio(name, "-", "-", None, "ran, but printed no ratio")], elapsed
 
@@ -105,6 +121,7 @@ def main(argv: list[str] | None = None, bench_dir: str | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="run every bench in its --quick mode")
     ap.add_argument("--only", choices=sorted(BENCHES), action="append", help="run only these benches")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per bench")
+    ap.add_argument("--log-dir", help="also write each bench's own output to LOG_DIR/<name>.txt")
     args = ap.parse_args(argv)
     bench_dir = bench_dir or os.path.join(ROOT, "bench")
     names = args.only or list(BENCHES)
@@ -112,7 +129,7 @@ def main(argv: list[str] | None = None, bench_dir: str | None = None) -> int:
     commands = {}
     for name in names:
         commands[name] = f".venv/bin/python bench/{name}.py" + (" --quick" if args.quick else "")
-        found, elapsed = run_bench(name, args.quick, args.timeout, bench_dir)
+        found, elapsed = run_bench(name, args.quick, args.timeout, bench_dir, args.log_dir)
         ratios += found
         print(f"bench/{name}.py: {len(found)} rows in {elapsed:.1f} s ({BENCHES[name][0]})", file=sys.stderr)
     print(format_table(ratios, commands))

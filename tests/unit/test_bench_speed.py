@@ -17,6 +17,7 @@ SAMPLE = """device: cpu
 | tiny b (2, 4, 128, 32) | 0.200 | 0.150 | 0.990 | **2.5** |
 
 forward+backward (512x512, cpu): plain bf16 1.00 ms, fp32 2.00 ms, ratio fp32/bf16 = 1.245
+ratio ours/builtin, checkpointing=False: time 0.52x, peak memory 1.10x
 """
 
 
@@ -27,6 +28,7 @@ def test_parse_ratios_reads_table_columns_and_ratio_lines():
         ("tiny a (1, 2, 64, 16)", "override_default/stock"): 1.010, ("tiny a (1, 2, 64, 16)", "stable/sdpa"): 1.400,
         ("tiny b (2, 4, 128, 32)", "override_default/stock"): 0.990, ("tiny b (2, 4, 128, 32)", "stable/sdpa"): 2.5,
         ("forward+backward (512x512, cpu)", "fp32/bf16"): 1.245,
+        ("checkpointing=False", "ours/builtin time"): 0.52, ("checkpointing=False", "ours/builtin peak memory"): 1.10,
     }
 
 
