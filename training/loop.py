@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .checkpoint import TrainingState, to_cpu
-from .guard import NanGuard, all_finite, grads_finite
+from .guard import NanGuard, all_finite
 from .optim import MasterWeights, apply_lr, build_optimizer
 from .sampling import loss_weight, sample_u, weighted_mse
 from .settings import TrainSettings
@@ -197,13 +197,14 @@ class _Run:
             loss, dop, sigma = loss + m_loss / s.grad_accum, dop + m_dop / s.grad_accum, sigma + m_sigma / s.grad_accum
         self.masters.pull_grads()
         outcome = "ok"
-        if not (all_finite([loss, dop]) and grads_finite(self.params)):
+        norm = _total_norm([p.grad for p in self.params if p.grad is not None])
+        if not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
             outcome = self.guard.bad(self.step, "non-finite loss or gradient", self.params, self.optimizer)
         else:
             if s.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, s.max_grad_norm)
+                torch.nn.utils.clip_grads_with_norm_(self.params, s.max_grad_norm, norm)
             self.optimizer.step()
-            if not all_finite(self.params):
+            if not bool(torch.isfinite(_total_norm(self.params))):
                 self.guard.restore(self.params, self.optimizer)
                 outcome = self.guard.bad(self.step, "parameters non-finite after the update (restored)",
                                          self.params, self.optimizer)
@@ -217,6 +218,12 @@ class _Run:
                  "dop": float(dop) if dop_on and outcome == "ok" else None, "skipped": outcome != "ok"}
         self.history.append(point)
         return point, outcome
+
+
+def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """2-norm over all tensors (non-finite if any element is); a 0-d zero for an empty list."""
+    tensors = [t.detach() for t in tensors]
+    return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros(())
 
 
 def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:
