@@ -133,7 +133,10 @@ def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, star
         _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
         if mm.processing_interrupted():
             return "interrupt"  # the loop saves a checkpoint first; the node raises afterwards
-        pbar.update_absolute(r.local_step, steps)
+        try:
+            pbar.update_absolute(r.local_step, steps)  # ComfyUI's hook raises if cancel came just now
+        except mm.InterruptProcessingException:
+            return "interrupt"
         return job.take_request()
 
     return on_step
@@ -205,7 +208,8 @@ class PrecisionTrainLoRA(io.ComfyNode):
         _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint})
         if result.reason == "interrupt":
-            mm.throw_exception_if_processing_interrupted()
+            mm.interrupt_current_processing(False)
+            raise mm.InterruptProcessingException()
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
 
 
