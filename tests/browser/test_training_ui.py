@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import time
 
 import pytest
@@ -112,6 +113,11 @@ def training_run(comfy_page, comfy_server):
     page.evaluate(FOCUS_NODE, FIRST_TRAIN)
     page.screenshot("train_03_after_reload")
 
+    # Stop on the node that is not training is refused by the server, and the node says why.
+    page.call("click", selector=f'{_chart(SECOND_TRAIN)} button[data-precision-action="stop"]')
+    facts["wrong_node_message"] = page.wait_for(
+        f"""() => {{ const t = ({CHART_STATE})({SECOND_TRAIN}).message; return /not training now/.test(t) ? t : false; }}""",
+        timeout=30)
     page.call("click", selector=f'{_chart(FIRST_TRAIN)} button[data-precision-action="checkpoint"]')
     facts["checkpoint_message"] = page.wait_for(
         f"""() => {{ const t = ({CHART_STATE})({FIRST_TRAIN}).message; return /checkpoint requested/.test(t) ? t : false; }}""",
@@ -149,10 +155,22 @@ def test_stop_ends_the_run_early_and_the_whole_graph_completes(training_run):
     assert status["status_str"] == "success", json.dumps(status)[:3000]
 
 
+def test_stop_on_a_node_that_is_not_training_is_refused(training_run):
+    assert f"node {SECOND_TRAIN} is not training now (node {FIRST_TRAIN} is)" in training_run["wrong_node_message"]
+    state = training_run["stopped_state"]
+    assert "stopped" in state["status"]  # the first node ran on after the refused request, until its own Stop
+
+
 def test_checkpoint_now_writes_a_checkpoint_file(training_run):
-    assert "checkpoint requested" in training_run["checkpoint_message"]
+    message = training_run["checkpoint_message"]
+    assert "checkpoint requested at step" in message, message
+    requested = int(re.search(r"at step (\d+)", message).group(1))
+    stopped_at = int(training_run["stopped_state"]["status"].split("step ")[1].split("/")[0])
     ckpts = [p for p in training_run["checkpoints"] if os.sep + "checkpoints" + os.sep in p]
-    assert ckpts, training_run["checkpoints"]
+    steps = sorted(int(m.group(1)) for p in ckpts if (m := re.search(r"_s(\d+)", os.path.basename(p))))
+    assert steps, ckpts
+    # one written right after the requested step, before Stop (which may write its own at the end)
+    assert any(requested <= st < stopped_at for st in steps), (requested, stopped_at, steps)
     assert all(os.path.getsize(p) > 0 for p in ckpts)
 
 
