@@ -199,7 +199,8 @@ class PrecisionTrainLoRA(io.ComfyNode):
         job = start_job(node_id, prompt_id, [] if state is None else [
             {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history])
         hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
-                      save_checkpoint=checkpoint_writer(out, lora_set, name))
+                      save_checkpoint=checkpoint_writer(out, lora_set, name),
+                      is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks)
         finally:

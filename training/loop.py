@@ -75,10 +75,16 @@ class StepReport:
 
 @dataclass
 class Hooks:
-    """on_step returns None, "stop", "checkpoint" or "interrupt"; save_checkpoint(state, reason) -> path."""
+    """on_step returns None, "stop", "checkpoint" or "interrupt"; save_checkpoint(state, reason) -> path.
+
+    is_interrupt(exc): True for an exception that means "the user cancelled" (raised from inside a forward
+    or backward); the half-done step is discarded, a checkpoint of the last complete step is written and
+    the run ends with reason "interrupt" instead of propagating the exception.
+    """
 
     on_step: Callable[[StepReport], str | None] | None = None
     save_checkpoint: Callable[[TrainingState, str], str] | None = None
+    is_interrupt: Callable[[BaseException], bool] | None = None
 
 
 @dataclass
@@ -117,6 +123,7 @@ class _Run:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.guard = NanGuard(settings.nan_patience, settings.nan_policy)
         self.step, self.history = 0, []
+        self._step_start: tuple[torch.Tensor, dict[str, torch.Tensor]] = (self.gen.get_state(), {})
         if state is not None:
             self._restore(state)
         self.guard.snapshot(self.step, self.params, self.optimizer)
@@ -189,6 +196,7 @@ class _Run:
     def one_step(self) -> tuple[dict[str, Any], str]:
         """1. lr  2. accumulate  3. guard  4. clip + step  5. record. Returns (history point, guard outcome)."""
         s = self.s
+        self._step_start = (self.gen.get_state(), _get_extra_rng(self.module))
         lr = apply_lr(self.optimizer, self.step, s)
         dop_on = s.dop_multiplier > 0 and self.step % s.dop_every_n == 0
         loss, dop, sigma = torch.zeros(()), torch.zeros(()), 0.0
@@ -224,6 +232,15 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """2-norm over all tensors (non-finite if any element is); a 0-d zero for an empty list."""
     tensors = [t.detach() for t in tensors]
     return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros(())
+
+
+def _abort_step(run: _Run) -> None:
+    """Discard a step interrupted mid-way: drop gradients, rewind the generators to the step's start."""
+    run.optimizer.zero_grad(set_to_none=True)
+    run.module.zero_grad(set_to_none=True)
+    gen_state, extra = run._step_start
+    run.gen.set_state(gen_state)
+    _set_extra_rng(run.module, extra)
 
 
 def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:
@@ -276,7 +293,17 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     module.train(True)
     try:
         for local in range(steps):
-            point, outcome = run.one_step()
+            try:
+                point, outcome = run.one_step()
+            except BaseException as exc:
+                if hooks.is_interrupt is None or not hooks.is_interrupt(exc):
+                    raise
+                _abort_step(run)
+                if hooks.save_checkpoint:
+                    result.checkpoints.append(hooks.save_checkpoint(run.snapshot(), "interrupt"))
+                result.stopped, result.reason = True, "interrupt"
+                log.info("[Precision LoRA] training interrupted during step %d", run.step + 1)
+                break
             report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
             action = hooks.on_step(report) if hooks.on_step else None
             if action is not None and action not in ACTIONS:

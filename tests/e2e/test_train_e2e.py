@@ -140,3 +140,70 @@ def test_two_chained_training_nodes_save_the_same_lora_as_one(server):
     assert a.keys() == b.keys() and len(a) > 0
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(k.endswith("lora_up.weight") and a[k].abs().max() > 0 for k in a)
+
+
+def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> list[dict]:
+    """Queue ``prompt``; call ``on_step(step_data)`` on every train_step event; return all events."""
+    client_id = str(uuid.uuid4())
+    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=timeout)
+    try:
+        prompt_id = server.post_prompt(prompt, client_id=client_id)
+        events = []
+        while True:
+            raw = ws.recv()
+            if not isinstance(raw, str):
+                continue
+            msg = json.loads(raw)
+            events.append(msg)
+            if msg["type"] == "precision_lora.train_step":
+                on_step(msg["data"])
+            if msg["type"] in ("execution_success", "execution_error", "execution_interrupted") and \
+                    msg.get("data", {}).get("prompt_id") == prompt_id:
+                return events
+    finally:
+        ws.close()
+
+
+def _long_prompt(name: str) -> dict:
+    prompt = _train_prompt()
+    for key in ("8", "9", "10"):
+        del prompt[key]
+    prompt["6"]["inputs"].update(steps=500, name=name)
+    prompt["7"]["inputs"]["filename_prefix"] = f"{name}/lora"
+    return prompt
+
+
+def test_stop_and_checkpoint_now_over_http(server):
+    asked = {}
+
+    def control(step):
+        if step["step"] == 1:
+            asked["checkpoint"] = server.request("/precision_lora/train/control", {"action": "checkpoint", "node_id": "6"})
+        if step["step"] == 3 and "stop" not in asked:
+            asked["stop"] = server.request("/precision_lora/train/control", {"action": "stop"})
+
+    events = _run_controlled(server, _long_prompt("e2e_stop"), control)
+    assert asked["checkpoint"][0] == 200 and asked["checkpoint"][1]["ok"] is True
+    assert asked["stop"][0] == 200 and asked["stop"][1]["action"] == "stop"
+    done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
+    assert done["stopped"] is True and 3 <= done["steps"] < 10
+    assert events[-1]["type"] == "execution_success"  # a stop ends training; the graph goes on (LoRA saved)
+    folder = server.output_path("precision_lora", "checkpoints")
+    names = os.listdir(folder)
+    assert any(n.startswith("e2e_stop_s000002") or n.startswith("e2e_stop_s000001") for n in names), names
+    assert os.path.basename(done["checkpoint"]) in names
+
+
+def test_cancel_over_http_leaves_a_loadable_checkpoint(server):
+    def cancel(step):
+        if step["step"] == 2:
+            server.interrupt()
+
+    events = _run_controlled(server, _long_prompt("e2e_cancel"), cancel)
+    assert events[-1]["type"] == "execution_interrupted"
+    done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
+    assert done["stopped"] is True and done["steps"] >= 2 and os.path.isfile(done["checkpoint"])
+    tensors = safetensors.torch.load_file(done["checkpoint"])
+    assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
+    state = torch.load(done["checkpoint"][: -len(".safetensors")] + ".state.pt", weights_only=True)
+    assert state["step"] == done["steps"] and len(state["history"]) == done["steps"]

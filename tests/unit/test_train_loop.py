@@ -202,3 +202,49 @@ def test_state_from_other_optimizer_is_rejected() -> None:
     first = train(net.lora, toy_data(1, DIM), toy_fns(net), TrainSettings(), steps=1)
     with pytest.raises(ValueError, match="made with optimizer 'adamw' but settings choose 'sgd'"):
         train(net.lora, toy_data(1, DIM), toy_fns(net), TrainSettings(optimizer="sgd"), steps=1, state=first.state)
+
+
+class Cancelled(Exception):
+    pass
+
+
+def test_interrupt_inside_a_forward_checkpoints_the_last_complete_step_and_resumes_exactly() -> None:
+    data = toy_data(2, DIM)
+    ref_net = ToyNet(DIM)
+    ref = train(ref_net.lora, data, toy_fns(ref_net), FAST, steps=6, seed=4)
+    net = ToyNet(DIM)
+    fns = toy_fns(net)
+    calls = {"n": 0}
+
+    def predict(x, sigma, cond):
+        calls["n"] += 1
+        if calls["n"] == 4:  # inside optimizer step 4
+            raise Cancelled()
+        return fns.predict(x, sigma, cond)
+
+    import dataclasses
+
+    saved = []
+    hooks = Hooks(save_checkpoint=lambda st, reason: saved.append((st, reason)) or "ck",
+                  is_interrupt=lambda exc: isinstance(exc, Cancelled))
+    result = train(net.lora, data, dataclasses.replace(fns, predict=predict), FAST, steps=6, seed=4, hooks=hooks)
+    assert (result.stopped, result.reason, result.state.step) == (True, "interrupt", 3)
+    state, reason = saved[-1]
+    assert reason == "interrupt" and state.step == 3 and all(p.grad is None for p in net.lora.parameters())
+    fresh = ToyNet(DIM)
+    resumed = train(fresh.lora, data, toy_fns(fresh), FAST, steps=3, state=state)
+    assert _losses(resumed) == _losses(ref)
+
+
+def test_other_exceptions_propagate() -> None:
+    net = ToyNet(DIM)
+    fns = toy_fns(net)
+
+    def broken(x, sigma, cond):
+        raise RuntimeError("boom")
+
+    import dataclasses
+
+    hooks = Hooks(is_interrupt=lambda exc: isinstance(exc, Cancelled))
+    with pytest.raises(RuntimeError, match="boom"):
+        train(net.lora, toy_data(1, DIM), dataclasses.replace(fns, predict=broken), FAST, steps=2, hooks=hooks)
