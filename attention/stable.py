@@ -1,7 +1,7 @@
 """Stable-softmax attention (Qiu & Yao, arXiv 2510.04212), hardened as in PRECISION.md §3.
 
-Blocked online softmax: query rows in chunks, keys in tiles, so the live logits block is
-B·H × q_chunk × tile (about 4 MiB) whatever the sequence length: memory O(rows × tile).
+Blocked online softmax: (batch, head group, query chunk) blocks, keys in tiles, so the live logits
+block is about 2 MiB whatever the sequence length: memory O(rows × tile).
 In each tile the running row max r is updated; when two or more logits of the row lie within ``tau``
 of r (a tie or near-tie, which would make bf16(P̄) == 1 twice), the offset becomes m = r + Δ with a
 row-dependent Δ ≈ (β−1)·r if r > 0 else −r, kept in [0.01, 60] (see ``row_shift``), so no
@@ -30,7 +30,8 @@ SHIFT_MIN = 0.01
 SHIFT_MAX = 60.0
 EMULATIONS = ("none", "kernel", "paper")
 BLOCK_ELEMENTS = 1 << 19  # fp32 logits per block (2 MiB): stays in cache / out of mmap territory
-DEFAULT_TILE = 512
+DEFAULT_TILE = 1024  # keys per tile
+QUERY_CHUNK = 256  # query rows per block (more heads per block instead)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -63,18 +64,27 @@ class StableOptions:
         return self.emulate != "none" or pv_dtype is not None
 
 
-def _blocks(q: torch.Tensor, lk: int, tile: int) -> tuple[int, int]:
-    """(query rows per chunk, keys per tile) so one logits block holds about BLOCK_ELEMENTS."""
-    bh, lq = q.shape[0] * q.shape[1], q.shape[2]
+Block = tuple[slice, slice, slice]  # batch, heads, query rows
+
+
+def _blocks(q: torch.Tensor, lk: int, tile: int) -> tuple[list[Block], int]:
+    """Blocks of (batch, head group, query chunk) whose logits (× keys per tile) hold about
+    BLOCK_ELEMENTS, and the keys per tile. Head groups keep each GEMM big enough to be efficient."""
+    b, h, lq = q.shape[0], q.shape[1], q.shape[2]
     tile = min(tile if tile > 0 else DEFAULT_TILE, lk)
-    return max(1, min(lq, BLOCK_ELEMENTS // max(bh * tile, 1))), tile
+    chunk = max(1, min(lq, QUERY_CHUNK, BLOCK_ELEMENTS // tile))
+    group = max(1, min(h, BLOCK_ELEMENTS // (chunk * tile)))
+    blocks = [(slice(bi, bi + 1), slice(hi, min(hi + group, h)), slice(qi, min(qi + chunk, lq)))
+              for bi in range(b) for hi in range(0, h, group) for qi in range(0, lq, chunk)]
+    return blocks, tile
 
 
-def _rows(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-    """The mask's query rows start:end (a broadcast row dim stays)."""
-    if mask is None or mask.shape[2] == 1:
-        return mask
-    return mask[:, :, start:end]
+def _mask_block(mask: torch.Tensor | None, block: Block) -> torch.Tensor | None:
+    """The mask's part for ``block`` (broadcast dims of size 1 stay as they are)."""
+    if mask is None:
+        return None
+    index = tuple(sl if mask.shape[d] != 1 else slice(None) for d, sl in enumerate(block))
+    return mask[index]
 
 
 def row_shift(r: torch.Tensor, beta: float) -> torch.Tensor:
@@ -167,19 +177,19 @@ def stable_forward(
     triggered (B,H,Lq,1) bool: rows where the shift fired in some tile).
     """
     shift = opts.shift_on(pv_dtype)
-    lq = q.shape[2]
-    chunk, tile = _blocks(q, k.shape[2], opts.tile)
+    blocks, tile = _blocks(q, k.shape[2], opts.tile)
     kt = k.transpose(-1, -2).contiguous()  # one copy; plain GEMM layout for every block
-    outs, lses, trigs = [], [], []
-    for start in range(0, lq, chunk):
-        end = min(start + chunk, lq)
-        out, lse, trig = _forward_rows(q[:, :, start:end] * scale, kt, v, _rows(mask, start, end), opts, tile,
-                                       pv_dtype, shift)
-        outs.append(out)
-        lses.append(lse)
-        trigs.append(trig)
-    triggered = torch.cat(trigs, dim=2) if shift else torch.zeros(q.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), triggered
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:-1] + (1,), dtype=torch.float32, device=q.device)
+    triggered = torch.zeros(q.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
+    for bs, hs, rows in blocks:
+        o, l, trig = _forward_rows(q[bs, hs, rows] * scale, kt[bs, hs], v[bs, hs],
+                                   _mask_block(mask, (bs, hs, rows)), opts, tile, pv_dtype, shift)
+        out[bs, hs, rows] = o
+        lse[bs, hs, rows] = l
+        if shift:
+            triggered[bs, hs, rows] = trig
+    return out, lse, triggered
 
 
 def stable_backward(
@@ -189,32 +199,31 @@ def stable_backward(
     """Gradients (dq, dk, dv) in fp32 by recomputing P = exp(S − LSE) block by block."""
     delta = (grad_out * out).sum(dim=-1, keepdim=True)
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    lq, lk = q.shape[2], k.shape[2]
-    chunk, tile = _blocks(q, lk, opts.tile)
+    lk = k.shape[2]
+    blocks, tile = _blocks(q, lk, opts.tile)
     kt = k.transpose(-1, -2).contiguous()
     dq = torch.zeros_like(q)
     dk = torch.zeros(q.shape[:2] + k.shape[2:], dtype=q.dtype, device=q.device)
     dv = torch.zeros(q.shape[:2] + v.shape[2:], dtype=q.dtype, device=q.device)
-    for qa in range(0, lq, chunk):
-        qb = min(qa + chunk, lq)
-        q_c, g_c = q[:, :, qa:qb], grad_out[:, :, qa:qb]
-        qs, mask_c = q_c * scale, _rows(mask, qa, qb)
+    for bs, hs, rows in blocks:
+        q_c, g_c, mask_c = q[bs, hs, rows], grad_out[bs, hs, rows], _mask_block(mask, (bs, hs, rows))
+        qs, lse_c, delta_c = q_c * scale, lse_safe[bs, hs, rows], delta[bs, hs, rows]
         for ka in range(0, lk, tile):
             kb = min(ka + tile, lk)
-            k_t, v_t = k[:, :, ka:kb], v[:, :, ka:kb]
-            s = torch.matmul(qs, kt[..., ka:kb])
+            k_t, v_t = k[bs, hs, ka:kb], v[bs, hs, ka:kb]
+            s = torch.matmul(qs, kt[bs, hs, :, ka:kb])
             if opts.softclamp > 0:
                 t = torch.tanh(s / opts.softclamp)
                 s = t * opts.softclamp
             if mask_c is not None:
                 s = s + mask_c[..., ka:kb]
-            p = s.sub_(lse_safe[:, :, qa:qb]).exp_()
-            dv[:, :, ka:kb] += torch.matmul(p.transpose(-1, -2), g_c)
-            ds = p.mul_(torch.matmul(g_c, v_t.transpose(-1, -2)).sub_(delta[:, :, qa:qb]))
+            p = s.sub_(lse_c).exp_()
+            dv[bs, hs, ka:kb] += torch.matmul(p.transpose(-1, -2), g_c)
+            ds = p.mul_(torch.matmul(g_c, v_t.transpose(-1, -2)).sub_(delta_c))
             if opts.softclamp > 0:
                 ds = ds * (1.0 - t * t)
-            dq[:, :, qa:qb] += torch.matmul(ds, k_t) * scale
-            dk[:, :, ka:kb] += torch.matmul(ds.transpose(-1, -2), q_c) * scale
+            dq[bs, hs, rows] += torch.matmul(ds, k_t) * scale
+            dk[bs, hs, ka:kb] += torch.matmul(ds.transpose(-1, -2), q_c) * scale
     return dq, dk, dv
 
 
