@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -214,7 +214,3 @@ def optimizer_state_finite(optimizer: torch.optim.Optimizer) -> bool:
                 return False
     return True
 
-
-def describe(settings: TrainSettings) -> dict[str, Any]:
-    """Short summary used in logs and checkpoint metadata."""
-    return {"optimizer": settings.optimizer, "lr": settings.learning_rate, "schedule": settings.lr_schedule}
