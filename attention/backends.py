@@ -60,7 +60,8 @@ def _no_logit_options(name: str, softclamp: float, beta: float) -> None:
     del beta  # beta only matters to stable; other backends accept and ignore the default
 
 
-def _sdpa(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     """torch SDPA with ``scale=``; fully masked rows give zeros (not NaN)."""
     _no_logit_options("sdpa", softclamp, beta)
     qb, kb, vb = to_bhld(q, layout), to_bhld(k, layout), to_bhld(v, layout)
@@ -75,17 +76,20 @@ def _sdpa(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: 
     return from_bhld(out, layout)
 
 
-def _math(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     del beta
     return math_attention(q, k, v, scale=scale, mask=mask, layout=layout, softclamp=softclamp)
 
 
-def _stable(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _stable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     opts = StableOptions(beta=beta, softclamp=softclamp)
     return stable_attention(q, k, v, scale=scale, mask=mask, layout=layout, options=opts)
 
 
-def _flash(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     """flash-attn 2/3 ``flash_attn_func`` (or flash-attn-4's cute entry point); layout (B, L, H, D)."""
     _no_logit_options("flash", softclamp, beta)
     if mask is not None:
@@ -107,7 +111,8 @@ def _flash_fn() -> BackendFn:
     raise RuntimeError("backend 'flash' is unavailable: package 'flash-attn' is not installed (pip install flash-attn)")
 
 
-def _sage(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     """sageattention ``sageattn(sm_scale=)``: inference only (no backward), ignores masks."""
     _no_logit_options("sage", softclamp, beta)
     if mask is not None:
@@ -117,7 +122,8 @@ def _sage(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: 
     return sageattn(q, k, v, tensor_layout="HND" if layout == "bhld" else "NHD", is_causal=False, sm_scale=scale)
 
 
-def _xformers(q, k, v, *, scale: float, mask=None, layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0):
+def _xformers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
+        layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
     """xformers ``memory_efficient_attention(scale=)``; layout (B, M, H, K); masks as additive bias."""
     _no_logit_options("xformers", softclamp, beta)
     import xformers.ops

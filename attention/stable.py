@@ -129,7 +129,10 @@ def _tile_product(p: torch.Tensor, v_tile: torch.Tensor, emulate: str, pv_dtype:
     return _bf16(product) if emulate == "paper" else product
 
 
-def _forward_rows(qs, kt, v, mask, opts: StableOptions, tile: int, pv_dtype, shift: bool):
+def _forward_rows(
+    qs: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, opts: StableOptions, tile: int,
+    pv_dtype: torch.dtype | None, shift: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Online softmax of one chunk of query rows over all key tiles (kt = kᵀ, (B,H,D,Lk))."""
     lk = kt.shape[3]
     r = m = l = acc = count = None
