@@ -49,7 +49,7 @@ def _to_4d(x: torch.Tensor, heads: int, skip_reshape: bool) -> tuple[torch.Tenso
     if skip_reshape:
         return x, "bhld"
     b, length, inner = x.shape
-    return x.view(b, length, heads, inner // heads), "blhd"
+    return x.reshape(b, length, heads, inner // heads), "blhd"  # a view unless x is oddly strided
 
 
 def _from_4d(out: torch.Tensor, layout: str, skip_output_reshape: bool) -> torch.Tensor:
