@@ -68,8 +68,15 @@ function drawChart(canvas, series) {
   line(g.smoothed, "rgba(255,190,80,1)", 2);
   ctx.fillStyle = "rgba(255,255,255,0.75)";
   ctx.font = "10px sans-serif";
+  ctx.textAlign = "left";
   ctx.fillText(g.yMax.toPrecision(3), 10, 16);
   ctx.fillText(g.yMin.toPrecision(3), 10, cssHeight - 10);
+  ctx.textAlign = "right";
+  ctx.fillText(`step ${g.xMax}`, cssWidth - 10, cssHeight - 10);
+  ctx.fillStyle = "rgba(120,170,255,0.9)";
+  ctx.fillText("raw", cssWidth - 70, 16);
+  ctx.fillStyle = "rgba(255,190,80,1)";
+  ctx.fillText("smoothed", cssWidth - 10, 16);
 }
 
 function render(nodeId) {

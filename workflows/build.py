@@ -64,7 +64,7 @@ PROBE_NOTE = (
     "Measures on your own model and data: how much of the LoRA's signal a bf16 model loses, how saturated\n"
     "attention is, and how often the softmax's largest probability rounds to exactly 1. Connect the model\n"
     "you train (with the LoRA attached or loaded) and latents + conditioning of your images. The report is\n"
-    "shown on the node and as a chart image."
+    "shown in 'Probe report' (Preview Any) and drawn in 'Probe chart'."
 )
 
 
@@ -125,13 +125,14 @@ def probe_spec() -> dict:
             *_demo_inputs(3, 0, 150),
             _node(5, "PrecisionProbe", [800, 0], {"noise_level": 0.5, "seed": 0, "max_rows": 256},
                   control={"seed": "fixed"}, size=[440, 340]),
-            _node(6, "PreviewImage", [1280, 0], size=[360, 340]),
+            _node(6, "PreviewImage", [1280, 0], size=[360, 340], title="Probe chart"),
             _note(7, [0, 540], [760, 200], PROBE_NOTE),
             _note(8, [800, 400], [660, 200], SWAP_NOTE),
+            _node(9, "PreviewAny", [1680, 0], size=[460, 440], title="Probe report"),
         ],
         "links": [
             (1, 0, 2, "model"), (2, 0, 5, "model"), (1, 0, 3, "model"), (1, 0, 4, "model"),
-            (3, 0, 5, "latent"), (4, 0, 5, "conditioning"), (5, 1, 6, "images"),
+            (3, 0, 5, "latent"), (4, 0, 5, "conditioning"), (5, 1, 6, "images"), (5, 0, 9, "source"),
         ],
     }
 

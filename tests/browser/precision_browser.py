@@ -178,9 +178,14 @@ FIT_VIEW = """() => {
 }"""
 
 
+FRAMES = "() => new Promise((r) => setTimeout(() => requestAnimationFrame(() => requestAnimationFrame(() => r(true))), 300))"
+
+
 def fit_view(browser: "Browser") -> None:
+    """Frame the whole graph (after the view a freshly loaded workflow restores, and node sizes, settle)."""
+    browser.evaluate(FRAMES)
     browser.evaluate(FIT_VIEW)
-    browser.evaluate("() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
+    browser.evaluate(FRAMES)
 
 
 def normalise_prompt(prompt: dict) -> dict:

@@ -18,7 +18,7 @@ IMAGES = {
     "train_05_finished.png": ("train_lora.png", 1440),
     "train_04_stopped.png": ("loss_chart.png", None),
     "inference_done.png": ("inference_matching_scale.png", 1440),
-    "workflow_precision_probe.png": ("precision_probe.png", 1440),
+    "probe_done.png": ("precision_probe.png", 1440),
 }
 MAX_BYTES = 300_000
 

@@ -76,6 +76,21 @@ FOCUS_NODE = """(id) => {
 }"""
 
 
+def _run_from_page(page, server) -> dict:
+    """Presses Run; returns the history entry of the prompt it queued once the queue is idle again."""
+    _, before = server.get("/history")
+    page.call("click", selector='[data-testid="queue-button"]')
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        _, hist = server.get("/history")
+        if len(hist) > len(before):
+            break
+        time.sleep(0.3)
+    else:
+        raise TimeoutError(f"Run queued nothing:\n{server.log_text()[-3000:]}")
+    return _wait_idle(server)
+
+
 def _wait_idle(server, timeout: float = 240) -> dict:
     """Waits until nothing is queued or running; returns the newest history entry."""
     deadline = time.time() + timeout
@@ -218,15 +233,7 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
 
 def test_inference_workflow_runs_from_the_page_on_the_trained_lora(training_run, comfy_page, comfy_server):
     """Continues from the test above: the inference graph in the page is queued with Run as it stands."""
-    _, before = comfy_server.get("/history")
-    comfy_page.call("click", selector='[data-testid="queue-button"]')
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        _, hist = comfy_server.get("/history")
-        if len(hist) > len(before):
-            break
-        time.sleep(0.3)
-    entry = _wait_idle(comfy_server)
+    entry = _run_from_page(comfy_page, comfy_server)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     assert entry["prompt"][2]  # the prompt the page sent
     classes = {v["class_type"] for v in entry["prompt"][2].values()}
@@ -237,4 +244,25 @@ def test_inference_workflow_runs_from_the_page_on_the_trained_lora(training_run,
     assert images and os.path.isfile(comfy_server.output_path(images[0]["subfolder"], images[0]["filename"]))
     fit_view(comfy_page)
     comfy_page.screenshot("inference_done")
+    assert comfy_page.pack_errors() == []
+
+
+PROBE_TEXT = """() => {
+  const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "PreviewAny");
+  const w = node?.widgets?.find((x) => x.name === "preview");
+  const text = typeof w?.value === "string" ? w.value : "";
+  return text.length > 40 ? text : false;
+}"""
+
+
+def test_probe_workflow_runs_from_the_page_and_shows_its_report(training_run, comfy_page, comfy_server):
+    _drop(comfy_page, "precision_probe.json")
+    entry = _run_from_page(comfy_page, comfy_server)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    probe = next(k for k, v in entry["prompt"][2].items() if v["class_type"] == "PrecisionProbe")
+    reported = "".join(entry["outputs"][probe]["text"])
+    shown = comfy_page.wait_for(PROBE_TEXT, timeout=30)
+    assert reported.strip()[:40] in shown
+    fit_view(comfy_page)
+    comfy_page.screenshot("probe_done")
     assert comfy_page.pack_errors() == []

@@ -22,6 +22,9 @@ WF = os.path.join(ROOT, "workflows")
 UI_FILES = sorted(glob.glob(os.path.join(WF, "*.json")))
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+# Display-only widgets the frontend adds to some core nodes: not saved in widgets_values, but sent in the
+# prompt with an empty value (the server ignores them).
+FRONTEND_PROMPT_WIDGETS = {"PreviewAny": {"preview": ""}}
 DEMO_LORA = "precision_lora/demo_lora.safetensors"
 
 
@@ -61,7 +64,7 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
         order = info.get("input_order") or {k: list(v) for k, v in info["input"].items() if k != "hidden"}
         names = [*order.get("required", []), *order.get("optional", [])]
         values = list(node.get("widgets_values") or [])
-        inputs, i = {}, 0
+        inputs, i = dict(FRONTEND_PROMPT_WIDGETS.get(node["type"], {})), 0
         for name in names:
             if _is_widget(specs[name]):
                 assert i < len(values), f"node {node['id']} ({node['type']}): no widget value for {name}"
