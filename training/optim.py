@@ -28,12 +28,14 @@ class OptimizerSpec:
 
 
 def _adamw(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:
+    # foreach: one multi-tensor kernel per op instead of one per LoRA matrix (hundreds of small tensors;
+    # torch only picks it by default on CUDA)
     return torch.optim.AdamW(groups, lr=s.learning_rate, betas=(s.beta1, s.beta2), eps=s.eps,
-                             weight_decay=s.weight_decay)
+                             weight_decay=s.weight_decay, foreach=True)
 
 
 def _sgd(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:
-    return torch.optim.SGD(groups, lr=s.learning_rate, momentum=s.beta1, weight_decay=s.weight_decay)
+    return torch.optim.SGD(groups, lr=s.learning_rate, momentum=s.beta1, weight_decay=s.weight_decay, foreach=True)
 
 
 def _adafactor(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:
