@@ -144,3 +144,18 @@ test("lossRange, nonFiniteCount and formatNumber", () => {
   assert.equal(formatNumber(null), "–");
   assert.equal(formatNumber(0), "0");
 });
+
+test("an event of another prompt starts a new series even when steps continue", () => {
+  const s = createSeries();
+  addEvent(s, ev(1, 1, { prompt_id: "a" }));
+  addEvent(s, ev(2, 1, { prompt_id: "a" }));
+  markDone(s, { stopped: true, checkpoint: "c" });
+  addEvent(s, ev(3, 0.5, { prompt_id: "b", total: 10 }));
+  assert.deepEqual(s.points.map((p) => p.step), [3]);
+  assert.equal(s.promptId, "b");
+  assert.equal(s.done, false);
+  assert.equal(s.checkpoint, null);
+  assert.equal(s.total, 10);
+  addHistory(s, [{ step: 1, loss: 2 }, { step: 2, loss: 2 }].map((p) => ({ ...p, prompt_id: "b" })));
+  assert.deepEqual(s.points.map((p) => p.step), [1, 2, 3], "a replay of the same prompt merges");
+});

@@ -3,7 +3,7 @@
 
 /** An empty loss series. `points` are {step, loss, lr, sigma}, strictly increasing in step. */
 export function createSeries() {
-  return { points: [], total: null, lastLr: null, done: false, stopped: false, checkpoint: null };
+  return { points: [], total: null, lastLr: null, done: false, stopped: false, checkpoint: null, promptId: null };
 }
 
 // JSON has no NaN / Infinity: the server may send null or the strings "nan", "inf", "-inf" for them.
@@ -29,13 +29,20 @@ export function toPoint(ev) {
 
 /**
  * Add one step event to the series (mutates it). Replayed or duplicated steps replace the point with the
- * same step, so replaying the server history over live events never draws a step twice. A step lower
- * than the last one means a new run started on the same node: the old points are dropped.
+ * same step, so replaying the server history over live events never draws a step twice. An event of
+ * another prompt_id, or a step lower than any seen (not a replay), means a new run on the same node: the
+ * old points are dropped.
  * Returns true when the series changed.
  */
 export function addEvent(series, ev) {
   const p = toPoint(ev);
   if (!p) return false;
+  const pid = ev.prompt_id ?? null;
+  if (pid !== null && series.promptId !== null && pid !== series.promptId) {
+    // Another prompt on this node is another run: start over (even if its steps continue, e.g. a resume).
+    Object.assign(series, createSeries());
+  }
+  if (pid !== null) series.promptId = pid;
   if (ev.total !== undefined && Number.isInteger(Number(ev.total))) series.total = Number(ev.total);
   if (Number.isFinite(p.lr)) series.lastLr = p.lr;
   series.done = false;
