@@ -202,6 +202,15 @@ class PrecisionLoadLoRA(io.ComfyNode):
         return True
 
     @classmethod
+    def fingerprint_inputs(cls, lora_name=None, **_: object) -> object:
+        """Re-run when the file changes on disk (e.g. retrained to the same name), not only when inputs do."""
+        path = folder_paths.get_full_path("loras", lora_name) if lora_name else None
+        if path is None or not os.path.isfile(path):
+            return lora_name
+        st = os.stat(path)
+        return (path, st.st_mtime_ns, st.st_size)
+
+    @classmethod
     def execute(cls, model, lora_name, strength, mode, attention, override_backend, override_scale_mode,
                 override_scale_value) -> io.NodeOutput:
         path = folder_paths.get_full_path_or_raise("loras", lora_name)

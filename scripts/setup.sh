@@ -62,7 +62,11 @@ fi
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   need=()
   [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ -n "$(ldconfig -p 2>/dev/null | grep libtcmalloc_minimal.so.4)" ] || need+=(libtcmalloc-minimal4)
-  if [ "${PRECISION_LORA_NO_BROWSER:-0}" != 1 ]; then command -v chromium >/dev/null 2>&1 || need+=(chromium); fi
+  if [ "${PRECISION_LORA_NO_BROWSER:-0}" != 1 ]; then
+    command -v chromium >/dev/null 2>&1 || need+=(chromium)
+    command -v node >/dev/null 2>&1 || need+=(nodejs)
+    command -v npm >/dev/null 2>&1 || need+=(npm)
+  fi
   if [ ${#need[@]} -gt 0 ]; then
     log "apt-get install ${need[*]}"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null) \
