@@ -171,7 +171,7 @@ def model_info(path: str) -> dict[str, object]:
 
     import comfy.model_detection
 
-    from .model_info import FAMILY_BY_CONFIG, _heads_and_dim
+    from .model_info import FAMILY_BY_CONFIG, heads_and_dim
     from .tiny_models import UNET_CONFIG_KEY
 
     try:
@@ -202,7 +202,7 @@ def model_info(path: str) -> dict[str, object]:
         from comfy.ldm.cosmos.predict2 import MiniTrainDIT
 
         unet_config["num_heads"] = inspect.signature(MiniTrainDIT.__init__).parameters["num_heads"].default
-    heads, head_dim = _heads_and_dim(unet_config, None)
+    heads, head_dim = heads_and_dim(unet_config, None)
     config = comfy.model_detection.model_config_from_unet_config(unet_config, None)
     config_name = type(config).__name__ if config is not None else str(unet_config.get("image_model", "unknown"))
     return {

@@ -33,7 +33,7 @@ class ModelInfo:
                 f"parameters: {self.parameters:,}\nweight dtype: {self.dtype}")
 
 
-def _heads_and_dim(unet_config: dict, diffusion_model) -> tuple[int | None, int | None]:
+def heads_and_dim(unet_config: dict, diffusion_model) -> tuple[int | None, int | None]:
     heads = unet_config.get("num_heads") or getattr(diffusion_model, "num_heads", None)
     width = (unet_config.get("hidden_size") or unet_config.get("model_channels")
              or getattr(diffusion_model, "hidden_size", None) or getattr(diffusion_model, "model_channels", None))
@@ -49,7 +49,7 @@ def describe_model(model) -> ModelInfo:
     base = getattr(model, "model", model)
     config = base.model_config
     name = type(config).__name__
-    heads, head_dim = _heads_and_dim(dict(config.unet_config), base.diffusion_model)
+    heads, head_dim = heads_and_dim(dict(config.unet_config), base.diffusion_model)
     params = sum(p.numel() for p in base.diffusion_model.parameters())
     dtype = str(base.get_dtype()).replace("torch.", "")
     return ModelInfo(FAMILY_BY_CONFIG.get(name, name), name, heads, head_dim, params, dtype)
