@@ -8,7 +8,9 @@ For each shape, on identical inputs (fp32 on CPU, bf16 on CUDA), interleaved rep
 Ratios printed: override_default/stock (goal <= 1.02), override_scale2x/stock, stable/sdpa (goal <= 1.5 on CPU).
 
 Run: ``.venv/bin/python bench/attention.py`` (Flux-size layer 24x128 heads, 4096 tokens, and a small one)
-or ``--quick`` (tiny shapes, seconds; used by tests/comfy/test_attention_bench.py).
+or ``--quick`` (tiny shapes, seconds; used by tests/comfy/test_attention_bench.py); ``--threads 1`` measures
+without thread-pool barriers, which other processes on a shared machine otherwise stall (the stock and
+sdpa kernels are one op each; the pack's stable backend is a loop of eager ops and suffers more).
 """
 from __future__ import annotations
 
@@ -86,7 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, a few repeats (seconds)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per variant (default 5, quick 7)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice); "
+                        "1 is least disturbed by other load on a shared machine")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     comfy_attn, glue, config, stable = load_pack()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
