@@ -62,9 +62,9 @@ class ProbeAttentionOverride:
         named.update({n: kwargs[n] for n in POSITIONAL_NAMES if n in kwargs})
         if named.get("skip_reshape", False):
             layout, qs, ks, vs = "bhld", q, k, v
-        else:  # (B, L, H·D) → (B, L, H, D) views
+        else:  # (B, L, H·D) → (B, L, H, D); reshape, since some models pass non-contiguous q/k/v
             layout = "blhd"
-            qs, ks, vs = (t.view(t.shape[0], t.shape[1], heads, t.shape[2] // heads) for t in (q, k, v))
+            qs, ks, vs = (t.reshape(t.shape[0], t.shape[1], heads, t.shape[2] // heads) for t in (q, k, v))
         head_dim = qs.shape[-1]
         self.head_dim = head_dim
         stats = measure_attention(qs, ks, vs, scale=self.cfg.resolve_scale(head_dim), mask=named.get("mask"),
