@@ -38,6 +38,11 @@ CLEAN_FAMILIES = {"cosmos_predict2", "qwen_image", "wan", "lumina2", "sd3"}
 BLOCK_LISTS = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "layers", "joint_blocks")
 
 
+def needs_in_place_fix(model: Any) -> bool:
+    """True unless the family is known to have no in-place residual adds (COMFYUI.md §4)."""
+    return describe_model(model).family not in CLEAN_FAMILIES
+
+
 def flow_kind(model_sampling: Any) -> str:
     """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM). ValueError otherwise."""
     if isinstance(model_sampling, cms.CONST):
@@ -74,7 +79,7 @@ def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, dev
     kind = flow_kind(ms)
     target_kind = resolve_target(settings, kind)
     topts = model.model_options.get("transformer_options", {})
-    in_place_fix = describe_model(model).family not in CLEAN_FAMILIES
+    in_place_fix = needs_in_place_fix(model)
 
     def flow_time(sigma: torch.Tensor) -> torch.Tensor:
         return sigma / (sigma + 1.0) if kind == "cosmos" else sigma
@@ -165,7 +170,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
             for p, _ in frozen:
                 p.requires_grad_(False)
             blocks = find_block_lists(dm, BLOCK_LISTS) if settings.gradient_checkpointing else []
-            with checkpoint_blocks(blocks):
+            with checkpoint_blocks(blocks, in_place_safe=needs_in_place_fix(model)):
                 yield device
     finally:
         for p, flag in frozen:

@@ -122,7 +122,7 @@ def _prepare_input(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def _checkpointed(forward: Any) -> Any:
+def _checkpointed(forward: Any, in_place_safe: bool) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -130,6 +130,9 @@ def _checkpointed(forward: Any) -> Any:
         tensors = [_prepare_input(t) for t in tensors]
 
         def body(*ts: torch.Tensor) -> Any:
+            if not in_place_safe:  # blocks without in-place residual adds need neither clone
+                a, k = _rebuild(template, ts)
+                return forward(*a, **k)
             # Recomputation sees detached leaf inputs; the block adds to them in place, so give it clones.
             a, k = _rebuild(template, [t.clone() for t in ts])
             with clone_saved_tensors():
@@ -141,9 +144,11 @@ def _checkpointed(forward: Any) -> Any:
 
 
 @contextlib.contextmanager
-def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Iterator[int]:
+def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True) -> Iterator[int]:
     """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
 
+    ``in_place_safe``: clone block inputs and saved tensors in the recomputation (needed for blocks that
+    add residuals in place, e.g. Flux; False skips the copies for blocks that do not).
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
     again on exit, so the shared model is unchanged afterwards.
     """
@@ -151,7 +156,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> Iterator[int]:
     try:
         for block in blocks:
             previous = block.__dict__.get("forward")
-            block.forward = _checkpointed(block.forward)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, in_place_safe)  # type: ignore[method-assign]
             patched.append((block, previous))
         yield len(patched)
     finally:

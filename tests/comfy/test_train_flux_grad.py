@@ -192,3 +192,31 @@ def test_trainer_wraps_flux_forward_in_the_fix(mods):
         sample = mods.tdata.build_samples(model, [{"samples": x}], [mc(model, 1)], None, torch.device("cpu"))[0]
         grads = _autograd(params, lambda: fns.predict(x, sigma, fns.collate([sample.cond])).sum())
     assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_cosmos_checkpointing_without_copies_gives_the_same_gradients(mods):
+    """Cosmos blocks have no in-place adds: the copy-free checkpointing path must not change gradients."""
+    from models import tiny_cosmos
+
+    model = tiny_cosmos(dtype=torch.float64)
+    dm = model.model.diffusion_model
+    for p in dm.parameters():
+        p.requires_grad_(False)
+    params = [p for n, p in dm.named_parameters() if n.startswith("blocks.") and n.endswith("weight")]
+    fns = mods.tglue.model_fns(model, None, mods.Settings(), torch.device("cpu"))
+    with mods.grad.autograd_enabled():
+        latent = make_latent(model, 1, width=32, height=32)
+        sample = mods.tdata.build_samples(model, [latent], [make_conditioning(model, 1)], None, torch.device("cpu"))[0]
+        x = sample.latent[None].double()
+        sigma = torch.tensor([0.7], dtype=torch.float64)
+        cond = fns.collate([sample.cond])
+
+        def loss():
+            return fns.predict(x, sigma, cond).pow(2).sum()
+
+        plain = _autograd(params, loss)
+        ckpt = _autograd(params, loss, lambda: mods.grad.checkpoint_blocks(dm.blocks, in_place_safe=False))
+    assert mods.tglue.needs_in_place_fix(model) is False
+    assert len(plain) == len(ckpt) > 0
+    for a, b in zip(plain, ckpt):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
