@@ -164,3 +164,10 @@ def test_gpu_trainable_backend_gradients(name):
     reference_attention(*refs, scale=0.3).sum().backward()
     for mine, ref in zip(ours, refs):
         assert (mine.grad.double() - ref.grad).abs().max().item() < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["sdpa", "math", "stable"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool4d_dead_row"])
+def test_pytorch_backends_on_cuda_bf16(name, mask_kind):
+    _check(name, "bhld", "double", mask_kind, device="cuda", dtype=torch.bfloat16, tol=3e-2)
