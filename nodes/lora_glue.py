@@ -314,6 +314,20 @@ def apply_attention_policy(model, md: Mapping[str, str], policy: str, override=N
         note = "attention: no settings recorded (default)" if recorded is None else f"attention: {policy} (model unchanged)"
         return model, note
     target.validate()
+    target, fallback = _installed_backend(target, name)
     if current is None and target.is_default():
-        return model, f"attention: {target.backend}, default scale"
-    return patch_attention(model, target), f"attention: {target}"
+        return model, f"attention: {target.backend}, default scale{fallback}"
+    return patch_attention(model, target), f"attention: {target}{fallback}"
+
+
+def _installed_backend(target, name: str):
+    """A recorded backend that is not installed here (e.g. flash on a CPU machine) falls back to ``auto``
+    with the same scale: the scale changes the model's behaviour, the backend only its speed."""
+    from ..attention.backends import available
+
+    reason = available().get(target.backend) if target.backend != "auto" else None
+    if reason is None:
+        return target, ""
+    log.warning("[Precision LoRA] PrecisionLoadLoRA: %s records attention backend %r, which is unavailable here "
+                "(%s); using ComfyUI's own attention (auto) with the same softmax scale", name, target.backend, reason)
+    return target.replace(backend="auto"), f" (recorded backend {target.backend!r} unavailable here: {reason}; using auto)"
