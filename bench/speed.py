@@ -112,6 +112,8 @@ def format_table(ratios: list[Ratio], commands: dict[str, str]) -> str:
     lines = ["| bench | case | ratio | value | command |", "|---|---|---|---|---|"]
     for r in ratios:
         value = f"{r.value:.3f}" if r.value is not None else r.note
+        if r.value is not None and r.value <= 0:  # a quotient of times or memory: the bench measured wrong
+            value += " (invalid: a ratio of times or memory must be > 0; the bench's measurement failed)"
         lines.append(f"| {r.bench} | {r.case} | {r.name} | {value} | `{commands[r.bench]}` |")
     return "\n".join(lines)
 

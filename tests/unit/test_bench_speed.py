@@ -51,3 +51,11 @@ def test_speed_quick_collects_the_lora_bench_ratio(capsys):
     assert "fp32/bf16" in row and 0.2 < value < 20
     assert "`.venv/bin/python bench/lora.py --quick`" in row
     assert re.search(r"\| train \||\| attention \|", out) is None  # --only ran one bench
+
+
+def test_non_positive_ratio_is_flagged_invalid():
+    speed = load_bench("speed")
+    rows = speed.parse_ratios("train", "ratio ours/builtin, checkpointing=False: time -0.94x, peak memory 0.34x")
+    table = speed.format_table(rows, {"train": "cmd"})
+    assert "| -0.940 (invalid: a ratio of times or memory must be > 0" in table
+    assert "| 0.340 | `cmd` |" in table
