@@ -51,3 +51,24 @@ def make_conditioning(model, batch: int = 1, text: str = "a photo of sks", seed:
 def write_model_file(family: str, path: str, seed: int = 0) -> str:
     """Write a tiny model file PrecisionLoadDiffusionModel loads (Cosmos also loads with stock UNETLoader)."""
     return _tiny().write_tiny_model(family, path, seed)
+
+
+def denoise(model, seed: int = 0) -> torch.Tensor:
+    """One euler step through ComfyUI's sampler (loads the model, applies object patches), as KSampler runs."""
+    import comfy.sample
+
+    latent = make_latent(model, batch=1, seed=seed)["samples"]
+    cond = make_conditioning(model, batch=1)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():  # as ComfyUI's executor runs KSampler
+        return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True,
+                                   seed=seed)
+
+
+def randomize_lora(lora_set, seed: int, std: float = 0.2) -> None:
+    """Give every adapter a seeded non-zero up factor (a fresh LoRA is the identity)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode(False), torch.no_grad():
+        for a in lora_set.adapters().values():
+            a.up.copy_(torch.randn(a.up.shape, generator=g) * std)
+            a.mark_modified()

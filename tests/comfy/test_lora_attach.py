@@ -5,29 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1, tiny_flux2
+from models import denoise, make_conditioning, make_latent, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
 
 FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 
 
-def denoise(model, seed: int = 0) -> torch.Tensor:
-    """One euler step through ComfyUI's sampler (loads the model, applies object patches)."""
-    import comfy.sample
-
-    latent = make_latent(model, batch=1, seed=seed)["samples"]
-    cond = make_conditioning(model, batch=1)
-    noise = comfy.sample.prepare_noise(latent, seed)
-    with torch.inference_mode():  # as ComfyUI's executor runs KSampler
-        return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True,
-                                   seed=seed)
-
-
-def randomize(lora_set, seed: int, std: float = 0.2) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.inference_mode(False), torch.no_grad():
-        for a in lora_set.adapters().values():
-            a.up.copy_(torch.randn(a.up.shape, generator=g) * std)
-            a.mark_modified()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +28,7 @@ def test_identity_then_delta_then_base_restored_bit_exact(family, glue, LoRAConf
     before = denoise(base)
     adapted = glue.attach_lora(base, LoRAConfig(rank=4, targets="attention_mlp"))
     assert torch.equal(denoise(adapted), before), "a fresh LoRA must leave the output bit-equal"
-    randomize(glue.get_lora_set(adapted), 1)
+    randomize_lora(glue.get_lora_set(adapted), 1)
     changed = denoise(adapted)
     assert (changed - before).abs().max() > 1e-3
     assert torch.equal(denoise(base), before), "the shared module kept a LoRA after the clone was used"
@@ -58,8 +40,8 @@ def test_two_clones_with_different_loras_do_not_interfere(glue, LoRAConfig):
     base = tiny_flux1()
     a = glue.attach_lora(base, LoRAConfig(rank=2, seed=1))
     b = glue.attach_lora(base, LoRAConfig(rank=4, seed=2, targets="all"))
-    randomize(glue.get_lora_set(a), 1)
-    randomize(glue.get_lora_set(b), 2)
+    randomize_lora(glue.get_lora_set(a), 1)
+    randomize_lora(glue.get_lora_set(b), 2)
     out_a, out_b = denoise(a), denoise(b)
     assert not torch.equal(out_a, out_b)
     assert torch.equal(denoise(a), out_a) and torch.equal(denoise(b), out_b)
@@ -70,7 +52,7 @@ def test_fp32_params_survive_bf16_model_loading_and_sampling(glue, LoRAConfig):
     base = tiny_cosmos(dtype=torch.bfloat16)
     adapted = glue.attach_lora(base, LoRAConfig(rank=4))
     lora_set = glue.get_lora_set(adapted)
-    randomize(lora_set, 3)
+    randomize_lora(lora_set, 3)
     params = {n: p for n, p in lora_set.named_parameters()}
     out = denoise(adapted)
     assert torch.isfinite(out).all()
@@ -102,14 +84,14 @@ def test_fp32_path_differs_from_plain_bf16_path_in_a_bf16_compute_model(glue, Lo
     fp32 = glue.attach_lora(base, LoRAConfig(rank=4, seed=5))
     plain = glue.attach_lora(base, LoRAConfig(rank=4, seed=5, fp32_accumulation=False))
     for m in (fp32, plain):
-        randomize(glue.get_lora_set(m), 4, std=0.02)
+        randomize_lora(glue.get_lora_set(m), 4, std=0.02)
     assert not torch.equal(denoise(fp32), denoise(plain))
 
 
 def test_stacked_attach_keeps_both_adapters(glue, LoRAConfig):
     base = tiny_flux1()
     one = glue.attach_lora(base, LoRAConfig(rank=2, seed=1))
-    randomize(glue.get_lora_set(one), 1)
+    randomize_lora(glue.get_lora_set(one), 1)
     two = glue.attach_lora(one, LoRAConfig(rank=2, seed=2))
     key = "diffusion_model.double_blocks.0.img_attn.qkv.forward"
     assert len(two.object_patches[key].adapters) == 2 and len(one.object_patches[key].adapters) == 1

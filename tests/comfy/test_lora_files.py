@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1, tiny_flux2
+from models import denoise, make_conditioning, make_latent, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
 
 FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 SAVE_ARGS = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
@@ -16,24 +16,6 @@ LOAD_ARGS = dict(strength=1.0, mode="fp32", attention="apply_recorded", override
                  override_scale_mode="default", override_scale_value=1.0)
 
 
-def denoise(model, seed: int = 0) -> torch.Tensor:
-    """One euler step through ComfyUI's sampler (same helper as test_lora_attach.py)."""
-    import comfy.sample
-
-    latent = make_latent(model, batch=1, seed=seed)["samples"]
-    cond = make_conditioning(model, batch=1)
-    noise = comfy.sample.prepare_noise(latent, seed)
-    with torch.inference_mode():  # as ComfyUI's executor runs KSampler
-        return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True,
-                                   seed=seed)
-
-
-def randomize(lora_set, seed: int, std: float = 0.2) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.inference_mode(False), torch.no_grad():
-        for a in lora_set.adapters().values():
-            a.up.copy_(torch.randn(a.up.shape, generator=g) * std)
-            a.mark_modified()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +55,7 @@ def save(model, prefix: str, **kw) -> str:
 
 def trained(glue, cfg_cls, base, seed=1, **cfg):
     model = glue.attach_lora(base, cfg_cls(**{"rank": 4, "targets": "attention_mlp", **cfg}))
-    randomize(glue.get_lora_set(model), seed)
+    randomize_lora(glue.get_lora_set(model), seed)
     return model
 
 
