@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import denoise, make_conditioning, make_latent, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
+from models import denoise, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
 
 FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from models import denoise, make_conditioning, make_latent, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
+from models import denoise, randomize_lora, tiny_cosmos, tiny_flux1, tiny_flux2
 
 FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 SAVE_ARGS = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
