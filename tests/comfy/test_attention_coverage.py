@@ -12,6 +12,7 @@ import math
 import sys
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from attention.reference import reference_attention
@@ -85,9 +86,6 @@ def reference_forward(multiplier: float = 1.0):
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)
-
-import pytest
-import torch
 
 
 

@@ -5,7 +5,6 @@ import os
 import re
 import sys
 
-import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import load_bench  # noqa: E402
