@@ -147,6 +147,14 @@ def _flat(value: Any, default: Any = None) -> Any:
 
 
 class PrecisionTrainLoRA(io.ComfyNode):
+    # Bumped whenever a run ends early on Stop: ComfyUI must not serve that partial result from its cache
+    # when the same graph is queued again (an unchanged graph that finished normally stays cached).
+    stopped_runs = 0
+
+    @classmethod
+    def fingerprint_inputs(cls, **_: Any) -> int:
+        return PrecisionTrainLoRA.stopped_runs
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -206,6 +214,9 @@ class PrecisionTrainLoRA(io.ComfyNode):
         finally:
             job.running = False
         checkpoint = result.checkpoints[-1] if result.checkpoints else None
+        lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
+        if result.stopped:
+            PrecisionTrainLoRA.stopped_runs += 1
         _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint})
         if result.reason == "interrupt":

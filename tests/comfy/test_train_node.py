@@ -200,3 +200,33 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
     assert {"test_s000002.state.pt", "test_s000004.state.pt"} <= set(names)
     job = mods.routes.current_job()
     assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
+
+
+def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods):
+    """A Stop changes the node's fingerprint (the next queue retrains); the trained set carries ss_steps."""
+    import comfy_harness
+
+    node = mods.train.PrecisionTrainLoRA
+    _, m, latent, cond = _setup(mods, "cosmos")
+    before = node.fingerprint_inputs(model=[m], steps=[3])
+    out_model, _, _, steps = _run(mods, m, latent, cond, 3)
+    assert steps == 3 and node.fingerprint_inputs(model=[m], steps=[3]) == before  # normal end: cache stays valid
+    assert mods.glue.get_lora_set(out_model).info["ss_steps"] == "3"
+    md = mods.glue.build_lora_metadata(out_model, mods.glue.get_lora_set(out_model))
+    assert md["ss_steps"] == "3"
+
+    server = comfy_harness.server()
+    original = server.send_sync
+
+    def stop_at_two(event, data, sid=None):
+        original(event, data, sid)
+        if event == "precision_lora.train_step" and data["step"] == 2:
+            mods.routes.current_job().request("stop")
+
+    server.send_sync = stop_at_two
+    try:
+        out_model, _, _, steps = _run(mods, m, latent, cond, 6)
+    finally:
+        server.send_sync = original
+    assert steps == 2 and mods.glue.get_lora_set(out_model).info["ss_steps"] == "2"
+    assert node.fingerprint_inputs(model=[m], steps=[6]) != before
