@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from .comfy_io import io, ui
+from ..training.files import atomic_write
 from .types import LossMapType
 
 NODE = "PrecisionLossGraph"
@@ -88,17 +88,6 @@ def draw_curve(losses: list[float], factor: float, log_scale: bool, width: int, 
     return img
 
 
-def _atomic_save(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".partial", dir=os.path.dirname(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
 
 def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], prefix: str) -> tuple[str, str, str]:
     """Write ``<prefix>_NNNNN_.png`` and ``.csv`` (step, loss, smoothed) into the output folder.
@@ -109,9 +98,9 @@ def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], pre
     folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(prefix, out_dir, img.width, img.height)
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, f"{name}_{counter:05}_")
-    _atomic_save(base + ".png", lambda tmp: img.save(tmp, format="PNG"))
+    atomic_write(base + ".png", lambda tmp: img.save(tmp, format="PNG"))
     rows = "step,loss,smoothed\n" + "".join(f"{i + 1},{v!r},{s!r}\n" for i, (v, s) in enumerate(zip(losses, smoothed)))
-    _atomic_save(base + ".csv", lambda tmp: open(tmp, "w", encoding="utf-8").write(rows))
+    atomic_write(base + ".csv", lambda tmp: open(tmp, "w", encoding="utf-8").write(rows))
     return os.path.basename(base + ".png"), subfolder, base + ".png"
 
 

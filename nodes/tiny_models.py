@@ -121,6 +121,7 @@ def write_tiny_model(family: str, path: str, seed: int = 0) -> str:
     if family not in STOCK_DETECTABLE:
         metadata[UNET_CONFIG_KEY] = json.dumps(unet_config_for(family))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # No relative imports in this module: scripts/make_demo_models.py loads it on its own.
     tmp = f"{path}.partial"
     safetensors.torch.save_file(tiny_state_dict(patcher), tmp, metadata=metadata)
     os.replace(tmp, path)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
+from .files import atomic_write
 from .guard import assert_finite
 
 log = logging.getLogger(__name__)
@@ -82,26 +82,13 @@ class TrainingState:
         return [float(p["loss"]) for p in self.history if p.get("loss") is not None]
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_", suffix=".partial", dir=directory)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
 
 def save_state(path: str, state: TrainingState) -> str:
     """Write ``state`` atomically to ``path`` (``*.state.pt``). Refuses non-finite tensors. Returns path."""
     data = state.to_dict()
     assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"]},
                   f"training state {os.path.basename(path)}")
-    _atomic_write(path, lambda tmp: torch.save(data, tmp))
+    atomic_write(path, lambda tmp: torch.save(data, tmp))
     return path
 
 

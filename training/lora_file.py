@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from .files import atomic_write
 
 from .lora import LoRAConfig, LoRASet
 
@@ -114,17 +115,8 @@ def save_lora_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Map
         raise ValueError(f"[Precision LoRA] refusing to write an empty LoRA to '{path}'")
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"[Precision LoRA] '{path}' exists: choose another name or enable overwrite")
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".precision_lora_", suffix=".partial", dir=folder)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=dict(metadata))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(contiguous, tmp, metadata=dict(metadata)))
     log.info("[Precision LoRA] saved %d tensors to %s", len(tensors), path)
     return path
 
