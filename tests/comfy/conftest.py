@@ -14,3 +14,14 @@ def pack():
 @pytest.fixture(scope="session")
 def pack_module(pack):
     return comfy_harness.pack_module
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on 2 shared cores, training loops run several times faster than oversubscribed."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -16,12 +16,7 @@ from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 FAMILIES = {"cosmos": tiny_cosmos, "flux1": tiny_flux1}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def memorise(pack_module, family: str, steps: int, lr: float) -> list[float]:

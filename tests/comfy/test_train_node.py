@@ -16,13 +16,7 @@ from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 FAMILIES = {"cosmos": tiny_cosmos, "flux1": tiny_flux1}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """2 shared cores: one intra-op thread is several times faster than oversubscribing them."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
