@@ -57,22 +57,8 @@ def _train_prompt() -> dict:
 
 
 def _run_with_events(server, prompt: dict, timeout: float = 300) -> tuple[dict, list[dict]]:
-    client_id = str(uuid.uuid4())
-    ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=timeout)
-    try:
-        prompt_id = server.post_prompt(prompt, client_id=client_id)
-        events = []
-        while True:
-            raw = ws.recv()
-            if not isinstance(raw, str):
-                continue  # binary previews
-            msg = json.loads(raw)
-            events.append(msg)
-            data = msg.get("data", {})
-            if msg["type"] in ("execution_success", "execution_error") and data.get("prompt_id") == prompt_id:
-                break
-    finally:
-        ws.close()
+    """Queue ``prompt`` and collect its websocket events; returns (history entry, events)."""
+    events, prompt_id = _run_controlled(server, prompt, lambda data: None, timeout)
     return server.wait(prompt_id), events
 
 
@@ -142,8 +128,8 @@ def test_two_chained_training_nodes_save_the_same_lora_as_one(server):
     assert any(k.endswith("lora_up.weight") and a[k].abs().max() > 0 for k in a)
 
 
-def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> list[dict]:
-    """Queue ``prompt``; call ``on_step(step_data)`` on every train_step event; return all events."""
+def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> tuple[list[dict], str]:
+    """Queue ``prompt``; call ``on_step(step_data)`` on every train_step event; return (events, prompt_id)."""
     client_id = str(uuid.uuid4())
     ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=timeout)
     try:
@@ -152,14 +138,14 @@ def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> list
         while True:
             raw = ws.recv()
             if not isinstance(raw, str):
-                continue
+                continue  # binary previews
             msg = json.loads(raw)
             events.append(msg)
             if msg["type"] == "precision_lora.train_step":
                 on_step(msg["data"])
             if msg["type"] in ("execution_success", "execution_error", "execution_interrupted") and \
                     msg.get("data", {}).get("prompt_id") == prompt_id:
-                return events
+                return events, prompt_id
     finally:
         ws.close()
 
@@ -182,7 +168,7 @@ def test_stop_and_checkpoint_now_over_http(server):
         if step["step"] == 3 and "stop" not in asked:
             asked["stop"] = server.request("/precision_lora/train/control", {"action": "stop"})
 
-    events = _run_controlled(server, _long_prompt("e2e_stop"), control)
+    events, _ = _run_controlled(server, _long_prompt("e2e_stop"), control)
     assert asked["checkpoint"][0] == 200 and asked["checkpoint"][1]["ok"] is True
     assert asked["stop"][0] == 200 and asked["stop"][1]["action"] == "stop"
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
@@ -199,7 +185,7 @@ def test_cancel_over_http_leaves_a_loadable_checkpoint(server):
         if step["step"] == 2:
             server.interrupt()
 
-    events = _run_controlled(server, _long_prompt("e2e_cancel"), cancel)
+    events, _ = _run_controlled(server, _long_prompt("e2e_cancel"), cancel)
     assert events[-1]["type"] == "execution_interrupted"
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
     assert done["stopped"] is True and done["steps"] >= 2 and os.path.isfile(done["checkpoint"])
