@@ -237,7 +237,7 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         samples = build_samples(model, latents, conditioning, class_conditioning, device)
         fns = model_fns(model, lora_set, cfg, device)
         try:
-            return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks)
+            return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
         except ValueError as exc:
             raise _node_error("PrecisionTrainLoRA", exc) from exc
 

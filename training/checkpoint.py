@@ -29,22 +29,11 @@ LORA_SUFFIX = ".safetensors"
 FORMAT_VERSION = 1
 
 
-def to_cpu(obj: Any) -> Any:
-    """Deep copy of nested dicts/lists/tuples with every tensor cloned to CPU (detached)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_cpu(v) for v in obj)
-    return obj
-
-
 @dataclass
 class TrainingState:
-    """Everything needed to continue a run bit-exactly. All tensors are CPU copies owned by this object.
+    """Everything needed to continue a run bit-exactly. All tensors are on the CPU and owned by this object,
+    except that the final state of ``train(..., hand_over=True)`` shares the LoRA values with the trained
+    LoRA set (which nothing trains again) instead of holding a second copy.
 
     ``lora``: trainable parameter name -> value in its stored dtype; ``masters``: fp32 masters of
     low-precision parameters (empty when the LoRA is fp32); ``generator``: the loop's CPU generator state

@@ -6,12 +6,13 @@ possible (gradients are dropped); ``patience`` bad steps in a row restore the la
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import torch
+
+from .tensors import nested_tensors, to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +33,13 @@ def grads_finite(params: Iterable[torch.Tensor]) -> bool:
     return all_finite(p.grad for p in params if p.grad is not None)
 
 
-def _nested_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _nested_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _nested_tensors(v)
-
-
 def assert_finite(obj: Any, what: str) -> None:
     """Raise NonFiniteError if any floating tensor nested in ``obj`` (dict/list/tensor) is non-finite."""
     if isinstance(obj, Mapping):
         for key, value in obj.items():
-            if not all_finite(_nested_tensors(value)):
+            if not all_finite(nested_tensors(value)):
                 raise NonFiniteError(f"[Precision LoRA] refusing to write {what}: '{key}' holds NaN/inf")
-    elif not all_finite(_nested_tensors(obj)):
+    elif not all_finite(nested_tensors(obj)):
         raise NonFiniteError(f"[Precision LoRA] refusing to write {what}: it holds NaN/inf")
 
 
@@ -76,7 +66,10 @@ class NanGuard:
     last_good: Snapshot | None = None
 
     def snapshot(self, step: int, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        self.last_good = Snapshot(step, [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict()))
+        """Copy parameters and optimizer state to the CPU (the old snapshot is dropped first, so there are
+        never two; on a GPU the snapshot costs host memory, not device memory)."""
+        self.last_good = None
+        self.last_good = Snapshot(step, [to_cpu(p) for p in params], to_cpu(optimizer.state_dict()))
 
     def maybe_snapshot(self, step: int, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         if self.last_good is None or step - self.last_good.step >= self.snapshot_every:
@@ -108,7 +101,9 @@ class NanGuard:
         with torch.no_grad():
             for p, saved in zip(params, self.last_good.params):
                 p.copy_(saved)
-        optimizer.load_state_dict(copy.deepcopy(self.last_good.optimizer))
+        # load_state_dict moves the state to the parameters' device; on the CPU it would share the snapshot's
+        # tensors (and the optimizer would then update the snapshot in place), so it gets a copy
+        optimizer.load_state_dict(to_cpu(self.last_good.optimizer))
         msg = f"rolled back to the state after step {self.last_good.step}"
         self.events.append(msg)
         log.warning("[Precision LoRA] NaN guard: %s", msg)

@@ -14,11 +14,12 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import TrainingState, to_cpu
+from .checkpoint import TrainingState
 from .guard import NanGuard, all_finite
 from .optim import MasterWeights, apply_lr, build_optimizer
 from .sampling import loss_weight, sample_u, weighted_mse
 from .settings import TrainSettings
+from .tensors import to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class Hooks:
 
 @dataclass
 class RunResult:
-    state: TrainingState
+    state: TrainingState = None  # type: ignore[assignment]  # the final snapshot, set when the run ends
     stopped: bool = False
     reason: str = "done"           # done | stop | interrupt | nan
     checkpoints: list[str] = field(default_factory=list)
@@ -148,12 +149,17 @@ class _Run:
         self.guard.skipped, self.guard.rollbacks = state.skipped, state.rollbacks
         self.seed = state.seed
 
-    def snapshot(self) -> TrainingState:
-        masters = {self.names[id(p)]: m.detach().cpu().clone() for p, m in self.masters.masters()}
+    def snapshot(self, final: bool = False, share_lora: bool = False) -> TrainingState:
+        """The run's state as CPU tensors; mid-run snapshots are copies of everything.
+
+        ``final``: the run is over, so the optimizer state and masters (which die with the run) are handed
+        over instead of copied where they are already on the CPU; ``share_lora`` does the same for the
+        module's parameters (only when nothing trains the module again, see ``train(hand_over=...)``)."""
+        masters = {self.names[id(p)]: to_cpu(m, not final) for p, m in self.masters.masters()}
         return TrainingState(
             step=self.step, seed=self.seed, settings=self.s.to_dict(),
-            lora={n: p.detach().cpu().clone() for n, p in self.module.named_parameters()},
-            optimizer=to_cpu(self.optimizer.state_dict()), generator=self.gen.get_state().clone(),
+            lora={n: to_cpu(p, not (final and share_lora)) for n, p in self.module.named_parameters()},
+            optimizer=to_cpu(self.optimizer.state_dict(), not final), generator=self.gen.get_state().clone(),
             masters=masters, extra_rng=_get_extra_rng(self.module), history=[dict(p) for p in self.history],
             skipped=self.guard.skipped, rollbacks=self.guard.rollbacks)
 
@@ -279,17 +285,20 @@ def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
 
 
 def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,
-          seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None) -> RunResult:
+          seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None,
+          hand_over: bool = False) -> RunResult:
     """Run ``steps`` optimizer steps on ``module``'s parameters (trained in place), continuing ``state``.
 
     Autograd must be enabled by the caller (see ``training.grad.autograd_enabled``). Raises ValueError on
     bad input before anything is modified. Returns the final snapshot and how the run ended.
+    ``hand_over``: the caller never trains ``module`` again (the node trains a fresh copy each time), so
+    the final state may share the module's CPU parameters instead of holding a second copy of them.
     """
     _check_inputs(data, steps, settings, fns)
     hooks = hooks or Hooks()
     was_training = module.training
     run = _Run(module, data, fns, settings, seed, state)
-    result = RunResult(state=run.snapshot())
+    result = RunResult()
     module.train(True)
     try:
         for local in range(steps):
@@ -318,5 +327,5 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 break
     finally:
         module.train(was_training)
-    result.state = run.snapshot()
+    result.state = run.snapshot(final=True, share_lora=hand_over)
     return result

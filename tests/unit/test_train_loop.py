@@ -248,3 +248,42 @@ def test_other_exceptions_propagate() -> None:
     hooks = Hooks(is_interrupt=lambda exc: isinstance(exc, Cancelled))
     with pytest.raises(RuntimeError, match="boom"):
         train(net.lora, toy_data(1, DIM), dataclasses.replace(fns, predict=broken), FAST, steps=2, hooks=hooks)
+
+
+def test_final_state_is_a_copy_unless_handed_over_and_checkpoints_are_copies() -> None:
+    data = toy_data(1, DIM)
+    kept = ToyNet(DIM)
+    seen: list = []
+    hooks = Hooks(save_checkpoint=lambda st, reason: seen.append(st) or "mem")
+    every = TrainSettings(learning_rate=3e-2, timestep_sampling="uniform", checkpoint_every=1)
+    first = train(kept.lora, data, toy_fns(kept), every, steps=2, hooks=hooks)
+    values = {n: v.clone() for n, v in first.state.lora.items()}
+    train(kept.lora, data, toy_fns(kept), FAST, steps=2, state=first.state)  # the same module trained again
+    assert all(torch.equal(values[n], v) for n, v in first.state.lora.items()), "the returned state changed"
+    assert not torch.equal(seen[0].lora["up"], seen[1].lora["up"]), "a mid-run checkpoint aliases the LoRA"
+    assert torch.equal(seen[1].lora["up"], values["up"])
+
+    shared = ToyNet(DIM)
+    out = train(shared.lora, data, toy_fns(shared), every, steps=2, hand_over=True)
+    params = dict(shared.lora.named_parameters())
+    assert all(v.data_ptr() == params[n].data_ptr() for n, v in out.state.lora.items())  # no second copy
+    assert all(torch.equal(values[n], v) for n, v in out.state.lora.items())  # same values as the copying run
+
+
+def test_guard_snapshot_is_a_cpu_copy_that_survives_later_steps() -> None:
+    from training.guard import NanGuard
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    guard = NanGuard(patience=1)
+    guard.snapshot(1, [p], opt)
+    saved_avg = opt.state[p]["exp_avg"].clone()
+    for _ in range(2):  # restore, then train on: the snapshot itself must not move
+        guard.restore([p], opt)
+        assert torch.equal(p.detach(), guard.last_good.params[0]) and guard.last_good.params[0].device.type == "cpu"
+        assert torch.equal(opt.state[p]["exp_avg"], saved_avg)
+        p.grad = torch.full((3,), 5.0)
+        opt.step()
+    assert guard.last_good.params[0].data_ptr() != p.data_ptr()
