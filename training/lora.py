@@ -213,17 +213,22 @@ class LoRAAdapter(nn.Module):
         keep = torch.empty(shape, dtype=torch.float32, device=ref.device).bernoulli_(1.0 - p, generator=self._rng.get(ref.device))
         return keep / (1.0 - p)
 
-    def _low_rank(self, h: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def _down(self, h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Dropout, ``down`` projection, rank dropout: (..., in) -> (..., rank)."""
         if self.training and self.dropout > 0:
             h = h * self._mask(h.shape, self.dropout, h)
         h = F.linear(h, down)
         if self.training and self.rank_dropout > 0:
             shape = (h.shape[0],) + (1,) * (h.dim() - 2) + (h.shape[-1],) if h.dim() > 1 else h.shape
             h = h * self._mask(shape, self.rank_dropout, h)
-        return F.linear(h, up)
+        return h
+
+    def _low_rank(self, h: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._down(h, down), up)
 
     def _note_use(self) -> None:
-        if torch.is_grad_enabled() and self.up.requires_grad:
+        # assigned only once: nn.Module.__setattr__ is slow and this runs twice per layer per forward
+        if self._pristine is not None and torch.is_grad_enabled() and self.up.requires_grad:
             self._pristine = None
 
     def delta_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -234,6 +239,17 @@ class LoRAAdapter(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             h = self._low_rank(x.float(), self.down.float(), self.up.float())
             return h * (self.scale * self.multiplier)
+
+    def add_delta_fp32(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``acc + delta_fp32(x)`` with the scale and the sum fused into the ``up`` GEMM (one addmm instead of
+        a GEMM, a scale and an add, forward and backward). acc (..., out) fp32; call with autocast disabled."""
+        self._note_use()
+        if self._skip(x.device):
+            return acc
+        h = self._down(x.float(), self.down.float())
+        out = torch.addmm(acc.reshape(-1, acc.shape[-1]), h.reshape(-1, h.shape[-1]), self.up.float().t(),
+                          alpha=self.scale * self.multiplier)
+        return out.view(acc.shape)
 
     def delta_plain(self, x: torch.Tensor) -> torch.Tensor | None:
         """Delta in the model dtype (autocast applies as to any layer); None when skipped."""
@@ -273,9 +289,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with torch.autocast(device_type=x.device.type, enabled=False):
         acc = base_linear_fp32(x, weight, bias, low)
         for a in adapters:
-            d = a.delta_fp32(x)
-            if d is not None:
-                acc = acc + d
+            acc = a.add_delta_fp32(acc, x)
         return acc.to(out_dtype)
 
 
