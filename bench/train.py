@@ -1,9 +1,18 @@
 """Training step time and peak memory: PrecisionTrainLoRA vs ComfyUI's built-in TrainLoraNode.
 
-One run measures both trainers on the same tiny real ComfyUI model, data (two latents, one
-conditioning), rank, steps and dtype, with and without gradient checkpointing, each configuration in its
-own subprocess (so peak memory is not shared), and prints the ratios side by side.
+One run measures both trainers on the same real ComfyUI model, data (two latents, one conditioning), rank,
+steps and dtype, with and without gradient checkpointing, each configuration in its own subprocess (so
+peak memory is not shared), and prints the ratios side by side, for each model of the run:
 
+- ``tiny``: the family's tiny test model (Cosmos: 192 channels, 10 blocks);
+- ``<width>`` (Cosmos only, ``--widths 512,2048``): a Cosmos-Predict2 of that width in heads of 128 with
+  ``--blocks`` blocks: the layer shapes of real models (the released 2B model is 2048 wide, 28 blocks deep)
+  at a depth a CPU can train. The tiny model is so narrow that per-op overhead and attention dominate and
+  the two trainers do nearly the same work; at real widths the linear layers dominate, and there the
+  built-in trainer's merged-weight LoRA (W + BA built every forward, a full weight gradient every backward,
+  the merged weight kept for backward) costs what ours (the low-rank path beside the frozen base) does not.
+
+Measured:
 - step time: wall time of one node call of N steps / N, after a warm-up call in the same process (the
   per-call set-up of either node is included; it is small next to N steps); configurations are repeated
   interleaved (``--repeats``) and the fastest kept, so load from other processes on a shared machine
@@ -11,8 +20,8 @@ own subprocess (so peak memory is not shared), and prints the ratios side by sid
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak resident set (polled every 2 ms)
   above the resident set just before training.
 
-Both trainers adapt every Linear of the model (ours: targets "all"; the built-in also trains bias/norm
-diffs, which are tiny). Usage (tcmalloc makes CPU training several times faster)::
+Both trainers adapt every Linear of the model, embedders and final layer included (ours: targets "all"
+plus include ".+"; the built-in also trains bias/norm diffs, which are tiny). Usage (tcmalloc makes CPU training several times faster)::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 .venv/bin/python bench/train.py [--quick]
 """
@@ -76,14 +85,16 @@ def _setup(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     import comfy_harness
-    from models import make_conditioning, make_latent, tiny_model
+    from models import make_conditioning, make_latent
 
-    model = tiny_model(args.family, seed=0)
+    tiny = comfy_harness.pack_module("nodes.tiny_models")
+    config = tiny.cosmos_width_config(args.width, args.blocks) if args.width else None
+    model = tiny.build_tiny_model(args.family, seed=0, unet_config=config)
     latents = [make_latent(model, 1, width=args.size, height=args.size, seed=s) for s in (1, 2)]
     return comfy_harness, model, latents, make_conditioning(model, 1)
 
 
-def _ours(h, model, latents, cond, args, steps: int) -> None:
+def _ours(h, model, latents, cond, args, steps: int) -> int:
     import torch
 
     glue, train = h.pack_module("nodes.lora_glue"), h.pack_module("nodes.train")
@@ -91,11 +102,12 @@ def _ours(h, model, latents, cond, args, steps: int) -> None:
     cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
                                  weight_decay=0.01)
     with torch.inference_mode():
-        attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets="all"))
+        attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets="all", include=".+"))
         train.PrecisionTrainLoRA.execute([attached], latents, [cond], [steps], [0], ["bench"], settings=[cfg])
+    return attached.get_attachment(glue.ATTACHMENT_KEY).num_parameters()
 
 
-def _builtin(h, model, latents, cond, args, steps: int) -> None:
+def _builtin(h, model, latents, cond, args, steps: int) -> int:
     import torch
     from comfy_extras.nodes_train import TrainLoraNode
 
@@ -104,6 +116,7 @@ def _builtin(h, model, latents, cond, args, steps: int) -> None:
     with torch.inference_mode():
         TrainLoraNode.execute([model], latents, [cond], [1], [1], [steps], [1e-4], [args.rank], ["AdamW"], ["MSE"],
                               [0], [dtype], [dtype], ["LoRA"], [args.checkpointing], ["[None]"])
+    return 0
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -116,21 +129,31 @@ def child(args: argparse.Namespace) -> dict:
     with PeakMemory(cuda) as mem:
         run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools
         t0 = time.perf_counter()
-        run(h, model, latents, cond, args, args.steps)
+        lora_params = run(h, model, latents, cond, args, args.steps)
         step = (time.perf_counter() - t0) / args.steps
-    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step, "peak_bytes": mem.peak}
+    dm = model.model.diffusion_model
+    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step, "peak_bytes": mem.peak,
+            "model": _model_label(args), "model_params": sum(p.numel() for p in dm.parameters()),
+            "lora_params": lora_params}
 
 
-def _spawn(args: argparse.Namespace, trainer: str, checkpointing: bool) -> dict:
+def _model_label(args: argparse.Namespace) -> str:
+    return f"{args.width}x{args.blocks}" if args.width else "tiny"
+
+
+def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--trainer", trainer, "--family", args.family,
            "--rank", str(args.rank), "--size", str(args.size), "--steps", str(args.steps), "--warm-steps",
-           str(args.warm_steps), "--dtype", args.dtype, "--threads", str(args.threads)]
+           str(args.warm_steps), "--dtype", args.dtype, "--threads", str(args.threads), "--width", str(width),
+           "--blocks", str(args.blocks)]
     if checkpointing:
         cmd.append("--checkpointing")
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    label = _model_label(argparse.Namespace(width=width, blocks=args.blocks))
     if out.returncode != 0 or not lines:
-        return {"trainer": trainer, "checkpointing": checkpointing, "error": out.stderr.strip().splitlines()[-1:]}
+        return {"trainer": trainer, "checkpointing": checkpointing, "model": label,
+                "error": out.stderr.strip().splitlines()[-1:]}
     return json.loads(lines[-1])
 
 
@@ -138,7 +161,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--family", default="cosmos", choices=["cosmos", "flux1_dev", "flux2"])
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--size", type=int, default=64, help="latent image size in pixels")
+    p.add_argument("--widths", default="tiny,512,2048",
+                   help="models, comma-separated: 'tiny' (the family's tiny test model) and/or Cosmos widths "
+                        "(multiples of 128, heads of 128, --blocks blocks)")
+    p.add_argument("--blocks", type=int, default=2, help="blocks of the --widths models")
+    p.add_argument("--size", type=int, default=256, help="latent image size in pixels")
     p.add_argument("--steps", type=int, default=6, help="measured steps (one node call after the warm-up call)")
     p.add_argument("--warm-steps", type=int, default=2)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -148,16 +175,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trainer", choices=TRAINERS, help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.family, args.size, args.steps, args.warm_steps, args.repeats = "flux1_dev", 32, 2, 1, 1
+        args.widths = "tiny"
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return []
-    runs = [_spawn(args, t, c) for _ in range(args.repeats) for c in (False, True) for t in TRAINERS]
-    rows = _best(runs)
-    _report(args, rows)
+    widths = _widths(p, args)
+    _header(args)
+    rows: list[dict] = []
+    for width in widths:
+        runs = [_spawn(args, width, t, c) for _ in range(args.repeats) for c in (False, True) for t in TRAINERS]
+        rows += _best(runs)
+        _report(rows[-4:])
     return rows
+
+
+def _widths(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+    """--widths as ints (0 = tiny); argparse error naming the bad entry."""
+    out = []
+    for item in (x.strip() for x in args.widths.split(",") if x.strip()):
+        if item == "tiny":
+            out.append(0)
+        elif not item.isdigit() or int(item) < 128 or int(item) % 128:
+            p.error(f"--widths: {item!r} is neither 'tiny' nor a multiple of 128")
+        elif args.family != "cosmos":
+            p.error(f"--widths {item}: widths are Cosmos models; use --family cosmos or --widths tiny")
+        else:
+            out.append(int(item))
+    if not out:
+        p.error("--widths is empty: give 'tiny' and/or Cosmos widths such as 512,2048")
+    return out
 
 
 def _best(runs: list[dict]) -> list[dict]:
@@ -171,14 +221,22 @@ def _best(runs: list[dict]) -> list[dict]:
             if not good:
                 out.append(mine[0])
                 continue
-            out.append({"trainer": trainer, "checkpointing": ckpt, "step_s": min(r["step_s"] for r in good),
+            out.append({**good[0], "step_s": min(r["step_s"] for r in good),
                         "peak_bytes": min(r["peak_bytes"] for r in good), "repeats": len(good)})
     return out
 
 
-def _report(args: argparse.Namespace, rows: list[dict]) -> None:
+def _header(args: argparse.Namespace) -> None:
     print(f"[Precision LoRA] bench/train.py family={args.family} size={args.size}px rank={args.rank} "
-          f"dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}")
+          f"dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}", flush=True)
+
+
+def _report(rows: list[dict]) -> None:
+    """One model's four rows and its two ratio lines."""
+    sizes = next((r for r in rows if r["trainer"] == "ours" and "error" not in r), None)
+    about = "" if sizes is None else (f": {sizes['model_params']:,} parameters, LoRA {sizes['lora_params']:,} "
+                                      "(every Linear)")
+    print(f"\nmodel {rows[0]['model']}{about}")
     print(f"{'checkpointing':<14}{'trainer':<9}{'s/step':>10}{'peak MiB':>10}")
     for r in rows:
         if "error" in r:
@@ -190,7 +248,8 @@ def _report(args: argparse.Namespace, rows: list[dict]) -> None:
         if len(pair) == 2:
             t = pair["ours"]["step_s"] / pair["builtin"]["step_s"]
             m = pair["ours"]["peak_bytes"] / max(1, pair["builtin"]["peak_bytes"])
-            print(f"ratio ours/builtin, checkpointing={ckpt}: time {t:.2f}x, peak memory {m:.2f}x")
+            print(f"ratio ours/builtin, model={rows[0]['model']} checkpointing={ckpt}: time {t:.2f}x, "
+                  f"peak memory {m:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,14 @@ def cosmos_unet_config() -> dict:
     return comfy.model_detection.detect_unet_config(probe, "")
 
 
+def cosmos_width_config(width: int, blocks: int) -> dict:
+    """A Cosmos-Predict2 config of ``width`` channels in heads of 128 (the released 2B model: 2048 channels,
+    16 heads, 28 blocks) and ``blocks`` blocks: real layer widths at a size a CPU can train (benchmarks)."""
+    if width < 128 or width % 128 or blocks < 1:
+        raise ValueError(f"[Precision LoRA] cosmos width={width!r}, blocks={blocks!r}: use a multiple of 128 and >= 1 block")
+    return {**cosmos_unet_config(), "model_channels": width, "num_blocks": blocks, "num_heads": width // 128}
+
+
 def unet_config_for(family: str) -> dict:
     if family == "cosmos":
         return cosmos_unet_config()
@@ -96,14 +104,18 @@ def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
     )
 
 
-def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> comfy.model_patcher.ModelPatcher:
-    """A tiny random-weight model of ``family`` (see FAMILIES), built in-process, training-safe tensors."""
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     unet_config: dict | None = None) -> comfy.model_patcher.ModelPatcher:
+    """A tiny random-weight model of ``family`` (see FAMILIES), built in-process, training-safe tensors.
+
+    ``unet_config`` replaces the family's tiny config (e.g. ``cosmos_width_config``)."""
+    config = unet_config or unet_config_for(family)
     with torch.inference_mode(False):
-        patcher = build_model_from_config(unet_config_for(family), None, torch.float32)
+        patcher = build_model_from_config(config, None, torch.float32)
         _init_weights(patcher.model.diffusion_model, seed)
         if dtype != torch.float32:
             sd = tiny_state_dict(patcher)
-            patcher = build_model_from_config(unet_config_for(family), None, dtype)
+            patcher = build_model_from_config(config, None, dtype)
             patcher.model.load_model_weights(sd, "")
     return patcher
 

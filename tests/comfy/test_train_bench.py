@@ -1,4 +1,4 @@
-"""bench/train.py --quick runs both trainers on the same tiny model and prints side-by-side ratios."""
+"""bench/train.py runs both trainers on the same model and prints side-by-side ratios per model."""
 from __future__ import annotations
 
 import os
@@ -23,5 +23,30 @@ def test_bench_quick_prints_rows_and_ratios():
     assert len(ours) == 2 and all(float(r[2]) > 0 for r in ours), text
     # Flux without checkpointing: the built-in trainer fails on the in-place residual adds, ours trains
     assert re.search(r"^False\s+builtin\s+failed: .*inplace operation", text, re.M), text
-    ratio = re.search(r"ratio ours/builtin, checkpointing=True: time ([0-9.]+)x, peak memory ([0-9.]+)x", text)
+    ratio = re.search(r"ratio ours/builtin, model=tiny checkpointing=True: time ([0-9.]+)x, peak memory ([0-9.]+)x", text)
     assert ratio and float(ratio.group(1)) > 0, text
+
+
+def test_bench_width_model_has_the_requested_shape_and_both_ratios(pack_module):
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "train.py"), "--family", "cosmos", "--widths", "256",
+           "--blocks", "1", "--size", "64", "--steps", "1", "--warm-steps", "1", "--repeats", "1", "--threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    tiny = pack_module("nodes.tiny_models")
+    model = tiny.build_tiny_model("cosmos", unet_config=tiny.cosmos_width_config(256, 1))
+    dm = model.model.diffusion_model
+    lora = sum(8 * (i + o) for i, o in pack_module("nodes.lora_glue").linear_layers(model).values())
+    assert f"model 256x1: {sum(p.numel() for p in dm.parameters()):,} parameters, LoRA {lora:,} (every Linear)" in text, text
+    assert dm.blocks[0].self_attn.q_proj.weight.shape == (256, 256) and len(dm.blocks) == 1
+    for ckpt in ("False", "True"):
+        assert re.search(rf"ratio ours/builtin, model=256x1 checkpointing={ckpt}: time [0-9.]+x, peak memory [0-9.]+x",
+                         text), text
+
+
+@pytest.mark.parametrize("widths, message", [("100", "'100' is neither 'tiny' nor a multiple of 128"),
+                                             (",", "--widths is empty")])
+def test_bench_rejects_bad_widths_before_running(widths, message):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), "--widths", widths],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
