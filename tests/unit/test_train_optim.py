@@ -84,3 +84,32 @@ def test_master_weights_accumulate_updates_below_bf16_resolution():
     master = next(iter(masters.masters()))[1]
     assert float(master.detach().mean()) == pytest.approx(expected, abs=1e-6)
     assert float(p.detach().float().mean()) == pytest.approx(expected, abs=1e-4)  # unbiased on average
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_cpu_float_parameters_get_the_fused_kernel_with_the_same_update(name):
+    s = TrainSettings(optimizer=name, learning_rate=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(8, 5, generator=gen), torch.randn(3, 8, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in start] for _ in range(3)]
+    results = []
+    for kernel in ("fused", "foreach"):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = build_optimizer([{"params": params, "lr": 1e-2}], s)
+        if kernel == "foreach":  # the reference: torch's multi-tensor implementation of the same algorithm
+            same = {k: v for k, v in opt.defaults.items() if k not in ("fused", "foreach", "decoupled_weight_decay")}
+            opt = type(opt)([{"params": params}], **same, foreach=True)
+        assert all(g.get(kernel) is True for g in opt.param_groups)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach() for p in params])
+    for fused, ref in zip(*results):
+        torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_parameters_off_cpu_and_cuda_fall_back_to_foreach():
+    p = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))
+    opt = build_optimizer([{"params": [p], "lr": 1e-3}], TrainSettings())
+    assert opt.defaults.get("foreach") is True and not opt.defaults.get("fused")
