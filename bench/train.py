@@ -13,10 +13,11 @@ peak memory is not shared), and prints the ratios side by side, for each model o
   the merged weight kept for backward) costs what ours (the low-rank path beside the frozen base) does not.
 
 Measured:
-- step time: wall time of one node call of N steps / N, after a warm-up call in the same process (the
-  per-call set-up of either node is included; it is small next to N steps); configurations are repeated
-  interleaved (``--repeats``) and the fastest kept, so load from other processes on a shared machine
-  does not decide the ratio;
+- step time: steady state, between the first and the last optimizer step of one node call of N steps
+  (timestamps from ComfyUI's progress-bar hook, which both nodes advance once per optimizer step), after a
+  warm-up call in the same process; the rest of the call (LoRA creation, model load, final state) is
+  printed as "set-up s". Configurations are repeated interleaved (``--repeats``) and the fastest kept, so
+  load from other processes on a shared machine does not decide the ratio;
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak resident set (polled every 2 ms)
   above the resident set just before training.
 
@@ -114,9 +115,27 @@ def _builtin(h, model, latents, cond, args, steps: int) -> int:
     h.pack()
     dtype = "fp32" if args.dtype == "fp32" else "bf16"
     with torch.inference_mode():
-        TrainLoraNode.execute([model], latents, [cond], [1], [1], [steps], [1e-4], [args.rank], ["AdamW"], ["MSE"],
+        # (model, latents, positive, batch_size, steps, grad_accumulation_steps, learning_rate, rank, ...)
+        TrainLoraNode.execute([model], latents, [cond], [1], [steps], [1], [1e-4], [args.rank], ["AdamW"], ["MSE"],
                               [0], [dtype], [dtype], ["LoRA"], [args.checkpointing], ["[None]"])
     return 0
+
+
+class StepClock:
+    """Timestamps of optimizer steps, from ComfyUI's progress-bar hook: both trainers advance their
+    ``comfy.utils.ProgressBar`` once per optimizer step, so steady-state step time is measured the same way
+    for both, without either node's per-call set-up (LoRA creation, model load)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, value, total, preview, node_id=None) -> None:
+        self.times.append(time.perf_counter())
+
+    def step_s(self, steps: int) -> float:
+        if len(self.times) != steps or steps < 2:
+            raise RuntimeError(f"expected {steps} (>= 2) progress updates, got {len(self.times)}")
+        return (self.times[-1] - self.times[0]) / (steps - 1)
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -124,15 +143,22 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     h, model, latents, cond = _setup(args)
+    import comfy.utils
+
     run = _ours if args.trainer == "ours" else _builtin
     cuda = torch.cuda.is_available()
     with PeakMemory(cuda) as mem:
         run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools
+        clock = StepClock()
+        comfy.utils.set_progress_bar_global_hook(clock)
         t0 = time.perf_counter()
         lora_params = run(h, model, latents, cond, args, args.steps)
-        step = (time.perf_counter() - t0) / args.steps
+        call = time.perf_counter() - t0
+        comfy.utils.set_progress_bar_global_hook(None)
+    step = clock.step_s(args.steps)
     dm = model.model.diffusion_model
-    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step, "peak_bytes": mem.peak,
+    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step,
+            "setup_s": max(0.0, call - args.steps * step), "peak_bytes": mem.peak,
             "model": _model_label(args), "model_params": sum(p.numel() for p in dm.parameters()),
             "lora_params": lora_params}
 
@@ -166,23 +192,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "(multiples of 128, heads of 128, --blocks blocks)")
     p.add_argument("--blocks", type=int, default=2, help="blocks of the --widths models")
     p.add_argument("--size", type=int, default=256, help="latent image size in pixels")
-    p.add_argument("--steps", type=int, default=6, help="measured steps (one node call after the warm-up call)")
+    p.add_argument("--steps", type=int, default=6, help="steps of the measured node call (>= 2; the warm-up call comes first)")
     p.add_argument("--warm-steps", type=int, default=2)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per configuration (minimum kept)")
     p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    p.add_argument("--quick", action="store_true", help="tiny run for tests: flux1_dev, 32 px, 2 steps")
+    p.add_argument("--quick", action="store_true", help="tiny run for tests: flux1_dev, 32 px, 3 steps")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trainer", choices=TRAINERS, help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.family, args.size, args.steps, args.warm_steps, args.repeats = "flux1_dev", 32, 2, 1, 1
+        args.family, args.size, args.steps, args.warm_steps, args.repeats = "flux1_dev", 32, 3, 1, 1
         args.widths = "tiny"
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return []
+    if args.steps < 2:
+        p.error(f"--steps {args.steps}: use >= 2 (step time is measured between the first and the last step)")
     widths = _widths(p, args)
     _header(args)
     rows: list[dict] = []
@@ -222,6 +250,7 @@ def _best(runs: list[dict]) -> list[dict]:
                 out.append(mine[0])
                 continue
             out.append({**good[0], "step_s": min(r["step_s"] for r in good),
+                        "setup_s": min(r["setup_s"] for r in good),
                         "peak_bytes": min(r["peak_bytes"] for r in good), "repeats": len(good)})
     return out
 
@@ -237,12 +266,13 @@ def _report(rows: list[dict]) -> None:
     about = "" if sizes is None else (f": {sizes['model_params']:,} parameters, LoRA {sizes['lora_params']:,} "
                                       "(every Linear)")
     print(f"\nmodel {rows[0]['model']}{about}")
-    print(f"{'checkpointing':<14}{'trainer':<9}{'s/step':>10}{'peak MiB':>10}")
+    print(f"{'checkpointing':<14}{'trainer':<9}{'s/step':>10}{'peak MiB':>10}{'set-up s':>10}")
     for r in rows:
         if "error" in r:
             print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}  failed: {r['error']}")
             continue
-        print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}{r['step_s']:>10.4f}{r['peak_bytes'] / 2**20:>10.1f}")
+        print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}{r['step_s']:>10.4f}{r['peak_bytes'] / 2**20:>10.1f}"
+              f"{r['setup_s']:>10.3f}")
     for ckpt in (False, True):
         pair = {r["trainer"]: r for r in rows if r["checkpointing"] == ckpt and "error" not in r}
         if len(pair) == 2:

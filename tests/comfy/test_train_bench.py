@@ -18,7 +18,7 @@ def test_bench_quick_prints_rows_and_ratios():
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    rows = re.findall(r"^(True|False)\s+(ours|builtin)\s+([0-9.]+)\s+([0-9.]+)$", text, re.M)
+    rows = re.findall(r"^(True|False)\s+(ours|builtin)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", text, re.M)
     ours = [r for r in rows if r[1] == "ours"]
     assert len(ours) == 2 and all(float(r[2]) > 0 for r in ours), text
     # Flux without checkpointing: the built-in trainer fails on the in-place residual adds, ours trains
@@ -29,7 +29,7 @@ def test_bench_quick_prints_rows_and_ratios():
 
 def test_bench_width_model_has_the_requested_shape_and_both_ratios(pack_module):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "train.py"), "--family", "cosmos", "--widths", "256",
-           "--blocks", "1", "--size", "64", "--steps", "1", "--warm-steps", "1", "--repeats", "1", "--threads", "1"]
+           "--blocks", "1", "--size", "64", "--steps", "2", "--warm-steps", "1", "--repeats", "1", "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
@@ -44,9 +44,10 @@ def test_bench_width_model_has_the_requested_shape_and_both_ratios(pack_module):
                          text), text
 
 
-@pytest.mark.parametrize("widths, message", [("100", "'100' is neither 'tiny' nor a multiple of 128"),
-                                             (",", "--widths is empty")])
-def test_bench_rejects_bad_widths_before_running(widths, message):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), "--widths", widths],
+@pytest.mark.parametrize("args, message", [(["--widths", "100"], "'100' is neither 'tiny' nor a multiple of 128"),
+                                           (["--widths", ","], "--widths is empty"),
+                                           (["--steps", "1"], "--steps 1: use >= 2")])
+def test_bench_rejects_bad_arguments_before_running(args, message):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
