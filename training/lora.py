@@ -136,6 +136,8 @@ def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     ``low``: the operand dtype to use (the caller's autocast dtype); None = from the operands.
     x (..., in) → (..., out) fp32.
     """
+    if low is None and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+        return F.linear(x, weight, bias)  # fp32 model: nothing to cast (saves three calls per layer)
     low = low or _low_precision_dtype(x, weight)
     if low is not None:
         x2 = x.reshape(-1, x.shape[-1]).to(low)
@@ -244,10 +246,13 @@ class LoRAAdapter(nn.Module):
         """``acc + delta_fp32(x)`` with the scale and the sum fused into the ``up`` GEMM (one addmm instead of
         a GEMM, a scale and an add, forward and backward). acc (..., out) fp32; call with autocast disabled."""
         self._note_use()
-        if self._skip(x.device):
+        if self.module_dropout > 0 and self._skip(x.device):
             return acc
-        h = self._down(x.float(), self.down.float())
-        out = torch.addmm(acc.reshape(-1, acc.shape[-1]), h.reshape(-1, h.shape[-1]), self.up.float().t(),
+        down, up = self.down, self.up
+        if down.dtype != torch.float32:
+            down, up = down.float(), up.float()
+        h = self._down(x if x.dtype == torch.float32 else x.float(), down)
+        out = torch.addmm(acc.reshape(-1, acc.shape[-1]), h.reshape(-1, h.shape[-1]), up.t(),
                           alpha=self.scale * self.multiplier)
         return out.view(acc.shape)
 
@@ -286,11 +291,19 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     out_dtype = output_dtype(x)
     low = _low_precision_dtype(x, weight)
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        acc = base_linear_fp32(x, weight, bias, low)
-        for a in adapters:
-            acc = a.add_delta_fp32(acc, x)
-        return acc.to(out_dtype)
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return _fp32_sum(x, weight, bias, adapters, low, out_dtype)
+    return _fp32_sum(x, weight, bias, adapters, low, out_dtype)  # no autocast to switch off (saves its cost)
+
+
+def _fp32_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, adapters: Sequence[LoRAAdapter],
+              low: torch.dtype | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The fp32 path of ``lora_linear``, called with autocast off: fp32 base + fp32 deltas, one final cast."""
+    acc = base_linear_fp32(x, weight, bias, low)
+    for a in adapters:
+        acc = a.add_delta_fp32(acc, x)
+    return acc.to(out_dtype)
 
 
 def _module_key(path: str) -> str:
