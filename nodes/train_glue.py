@@ -133,12 +133,7 @@ def fork_lora(model: Any, node: str = "PrecisionTrainLoRA") -> tuple[Any, LoRASe
         raise ValueError(f"[Precision LoRA] {node}: the model has no LoRA attached; "
                          "put PrecisionAttachLoRA between the model loader and this node")
     with torch.inference_mode(False):
-        shapes = {p: (a.in_features, a.out_features) for p, a in old.adapters().items()}
-        new = LoRASet(old.config, shapes)
-        new.load_state_dict(old.state_dict())
-        new.to(next(old.parameters()).device)
-        for dev, gen in getattr(old.rng, "_gens", {}).items():
-            new.rng.get(torch.device(dev)).set_state(gen.get_state())
+        new = old.copy()
     swap = {id(a): b for a, b in zip(old.adapters().values(), new.adapters().values())}
     out = model.clone()
     for key, patch in list(out.object_patches.items()):

@@ -272,16 +272,15 @@ def _load_named(module: nn.Module, values: dict[str, torch.Tensor], what: str) -
 
 
 def _get_extra_rng(module: nn.Module) -> dict[str, torch.Tensor]:
-    gens = getattr(getattr(module, "rng", None), "_gens", None) or {}
-    return {dev: g.get_state().clone() for dev, g in gens.items()}
+    """The module's own generators (a LoRASet's dropout RNG: ``rng.get_state()``), else none."""
+    rng = getattr(module, "rng", None)
+    return rng.get_state() if hasattr(rng, "get_state") else {}
 
 
 def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
     rng = getattr(module, "rng", None)
-    if rng is None or not hasattr(rng, "get"):
-        return
-    for dev, st in states.items():
-        rng.get(torch.device(dev)).set_state(st.clone())
+    if hasattr(rng, "set_state"):
+        rng.set_state(states)
 
 
 def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,

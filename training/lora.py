@@ -98,6 +98,15 @@ class DropoutRNG:
             self._gens[key] = gen
         return self._gens[key]
 
+    def get_state(self) -> dict[str, torch.Tensor]:
+        """Device name -> generator state (copies) of every generator used so far."""
+        return {dev: g.get_state().clone() for dev, g in self._gens.items()}
+
+    def set_state(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Restore what ``get_state`` returned (generators of other devices are left as they are)."""
+        for dev, state in states.items():
+            self.get(torch.device(dev)).set_state(state.clone())
+
 
 def _gemm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """a (m, k) @ b_t (k, n) of low-precision operands with an fp32, unrounded result."""
@@ -172,12 +181,13 @@ class LoRAAdapter(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, config: LoRAConfig, *, rng: DropoutRNG | None = None,
-                 init_generator: torch.Generator | None = None) -> None:
+                 init_generator: torch.Generator | None = None, init: bool = True) -> None:
         super().__init__()
         dtype = PARAM_DTYPES[config.param_dtype]
         down = torch.empty(config.rank, in_features, dtype=torch.float32)
-        bound = 1.0 / math.sqrt(in_features)  # kaiming-uniform(a=sqrt(5)), as nn.Linear and kohya
-        down.uniform_(-bound, bound, generator=init_generator)
+        if init:  # init=False: values about to be overwritten (LoRASet.copy)
+            bound = 1.0 / math.sqrt(in_features)  # kaiming-uniform(a=sqrt(5)), as nn.Linear and kohya
+            down.uniform_(-bound, bound, generator=init_generator)
         self.down = nn.Parameter(down.to(dtype))
         self.up = nn.Parameter(torch.zeros(out_features, config.rank, dtype=dtype))
         self.in_features, self.out_features, self.rank = in_features, out_features, config.rank
@@ -317,7 +327,7 @@ class LoRASet(nn.Module):
     ``config.seed`` (paths in sorted order). ``train()`` / ``eval()`` switch the dropouts.
     """
 
-    def __init__(self, config: LoRAConfig, shapes: Mapping[str, tuple[int, int]]) -> None:
+    def __init__(self, config: LoRAConfig, shapes: Mapping[str, tuple[int, int]], *, init: bool = True) -> None:
         super().__init__()
         config.validate()
         if not shapes:
@@ -336,7 +346,8 @@ class LoRASet(nn.Module):
                     f"[Precision LoRA] LoRA rank={config.rank} exceeds the width of '{path}' ({n_out}x{n_in}): "
                     f"use rank <= {min(n_in, n_out)} or exclude that module"
                 )
-            self.layers[_module_key(path)] = LoRAAdapter(n_in, n_out, config, rng=self.rng, init_generator=gen)
+            self.layers[_module_key(path)] = LoRAAdapter(n_in, n_out, config, rng=self.rng, init_generator=gen,
+                                                         init=init)
             self._paths[path] = _module_key(path)
         self.train(False)
 
@@ -346,6 +357,19 @@ class LoRASet(nn.Module):
 
     def paths(self) -> list[str]:
         return list(self._paths)
+
+    def copy(self) -> LoRASet:
+        """An independent set with the same config, values (dtype and device), dropout RNG state and ``info``;
+        ``train()`` mode and multipliers are the defaults. Call outside inference mode to train the copy."""
+        shapes = {p: (a.in_features, a.out_features) for p, a in self.adapters().items()}
+        new = LoRASet(self.config, shapes, init=False)
+        first = next(self.parameters())
+        new.to(first.device)
+        with torch.no_grad():
+            new.load_state_dict(self.state_dict())
+        new.rng.set_state(self.rng.get_state())
+        new.info = dict(self.info)
+        return new
 
     def set_multiplier(self, multiplier: float) -> None:
         """Strength applied to every delta (1.0 = trained strength)."""

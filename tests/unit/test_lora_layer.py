@@ -154,6 +154,25 @@ def test_init_is_deterministic_in_seed():
     assert not torch.equal(s1.adapters()["x.b"].down, s3.adapters()["x.b"].down)
 
 
+def test_copy_is_independent_with_the_same_values_dropout_state_and_info():
+    s = LoRASet(LoRAConfig(rank=2, dropout=0.5, param_dtype="bf16"), {"x.a": (8, 8), "x.b": (8, 16)})
+    s.info["ss_steps"] = "5"
+    with torch.no_grad():
+        s.adapters()["x.a"].up.normal_()  # a non-zero delta, so the dropout masks show in it
+    x = torch.randn(3, 8)
+    s.train(True)
+    s.adapters()["x.a"].delta_fp32(x)  # advance the dropout generator past its seed
+    c = s.copy()
+    assert c.info == {"ss_steps": "5"} and c.config == s.config
+    for (name, p), (name_c, q) in zip(s.named_parameters(), c.named_parameters()):
+        assert name == name_c and q.dtype == p.dtype and torch.equal(p, q) and q.data_ptr() != p.data_ptr()
+    c.train(True)
+    torch.testing.assert_close(s.adapters()["x.a"].delta_fp32(x), c.adapters()["x.a"].delta_fp32(x))  # same masks
+    with torch.no_grad():
+        c.adapters()["x.b"].up.add_(1.0)
+    assert not torch.equal(s.adapters()["x.b"].up, c.adapters()["x.b"].up) and not s.adapters()["x.b"].up.any()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"rank": 0}, r"rank=0 is invalid: use an integer in \[1, 1024\]"),
     ({"rank": -3}, r"rank=-3 is invalid"),
