@@ -5,13 +5,18 @@ import logging
 import os
 
 import folder_paths
+import torch
 
 from ..attention.backends import BACKENDS
 from ..attention.config import SCALE_MODES, AttentionConfig
+from ..training.checkpoint import STATE_SUFFIX, save_state
+from ..training.guard import NonFiniteError
 from ..training.lora import MAX_RANK, PARAM_DTYPES, LoRAConfig
 from ..training.lora_file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ..training.targets import preset_names
 from . import lora_glue as glue
+from .train_glue import checkpoint_dir
+from .types import TrainingStateType
 from .comfy_io import io
 
 log = logging.getLogger(__name__)
@@ -131,8 +136,13 @@ class PrecisionSaveLoRA(io.ComfyNode):
                                tooltip="auto: kohya 'lora_unet_' for the Flux family, 'diffusion_model.' for others."),
                 io.Boolean.Input("use_counter", default=True, tooltip="Append ComfyUI's _00001_ counter to the name."),
                 io.Boolean.Input("overwrite", default=False, tooltip="Replace an existing file of the same name."),
+                TrainingStateType.Input("training_state", optional=True,
+                                        tooltip="From the PrecisionTrainLoRA that produced the model: also writes "
+                                                "<name>.state.pt (optimizer, RNG, step, loss history) into "
+                                                "output/precision_lora/checkpoints, so PrecisionTrainLoRA's "
+                                                "resume_from=<name>.safetensors continues this run exactly."),
             ],
-            outputs=[io.String.Output(display_name="path", tooltip="Absolute path of the written file.")],
+            outputs=[io.String.Output(display_name="path", tooltip="Absolute path of the written LoRA file.")],
             is_output_node=True, not_idempotent=True,
         )
 
@@ -144,20 +154,57 @@ class PrecisionSaveLoRA(io.ComfyNode):
         return bad or (True if reason is None else f"{cls.NODE}: {reason}")
 
     @classmethod
-    def execute(cls, model, filename_prefix, folder, save_dtype, key_style, use_counter, overwrite) -> io.NodeOutput:
+    def execute(cls, model, filename_prefix, folder, save_dtype, key_style, use_counter, overwrite,
+                training_state=None) -> io.NodeOutput:
         lora_set = glue.get_lora_set(model)
         if lora_set is None:
             raise _err(cls.NODE, "input 'model' carries no LoRA: connect the output of Attach LoRA or Train LoRA")
+        if training_state is not None:
+            reason = _state_mismatch(lora_set, training_state)
+            if reason:
+                raise _err(cls.NODE, f"input 'training_state' {reason}: connect the training_state output of the "
+                                     "PrecisionTrainLoRA whose model you save")
         style = default_key_style(glue.model_family(model)) if key_style == "auto" else key_style
         tensors = lora_state_dict(lora_set, style, save_dtype)
         metadata = glue.build_lora_metadata(model, lora_set, {"ss_key_style": style, "ss_save_dtype": save_dtype})
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
+        state_path = None if training_state is None else _state_path(path)
+        for target in (path, state_path):  # checked before anything is written
+            if target is not None and os.path.exists(target) and not overwrite:
+                raise _err(cls.NODE, f"{os.path.basename(target)} exists in {os.path.dirname(target)}: enable "
+                                     "overwrite or use_counter, or change filename_prefix")
+        if state_path is not None:
+            try:
+                save_state(state_path, training_state)
+            except NonFiniteError as e:
+                raise _err(cls.NODE, f"input 'training_state' holds NaN/inf; nothing was written ({e})") from e
         try:
             path = save_lora_file(path, tensors, metadata, overwrite=overwrite)
-        except FileExistsError as e:
-            raise _err(cls.NODE, f"{os.path.basename(path)} exists in {os.path.dirname(path)}: enable overwrite or "
-                                 "use_counter, or change filename_prefix") from e
-        return io.NodeOutput(path, ui={"text": [path]})
+        except BaseException:
+            if state_path is not None and os.path.exists(state_path):
+                os.remove(state_path)  # a state without its LoRA would be a half-written save
+            raise
+        return io.NodeOutput(path, ui={"text": [path] if state_path is None else [path, state_path]})
+
+
+def _state_path(lora_path: str) -> str:
+    """Where PrecisionSaveLoRA puts a LoRA's training state: the checkpoint folder, where resume_from looks (a
+    ``.pt`` file in models/loras would show up in every LoRA list)."""
+    stem = os.path.basename(lora_path)[: -len(".safetensors")]
+    return os.path.join(checkpoint_dir(), stem + STATE_SUFFIX)
+
+
+def _state_mismatch(lora_set, state) -> str | None:
+    """Why ``state`` is not the training state of ``lora_set`` (names, shapes, values), or None."""
+    params = dict(lora_set.named_parameters())
+    lora = getattr(state, "lora", None)
+    if not isinstance(lora, dict) or set(lora) != set(params):
+        return "belongs to a different LoRA (its parameters are not this LoRA's)"
+    for name, p in params.items():
+        saved = lora[name]
+        if tuple(saved.shape) != tuple(p.shape) or not torch.equal(p.detach().cpu().to(saved.dtype), saved):
+            return f"does not hold this LoRA's values ('{name}' differs)"
+    return None
 
 
 class PrecisionLoadLoRA(io.ComfyNode):

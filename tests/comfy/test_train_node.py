@@ -224,3 +224,51 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
         server.send_sync = original
     assert steps == 2 and mods.glue.get_lora_set(out_model).info["ss_steps"] == "2"
     assert node.fingerprint_inputs(model=[m], steps=[6]) != before
+
+
+def _save(mods, pack_module, model, prefix: str, state=None, overwrite: bool = False) -> str:
+    save = pack_module("nodes.lora").PrecisionSaveLoRA
+    extra = {} if state is None else {"training_state": state}
+    with torch.inference_mode():
+        return save.execute(model, prefix, "output", "fp32", "auto", False, overwrite, **extra).result[0]
+
+
+def test_saved_training_state_resumes_the_run_exactly(mods, pack_module):
+    _, m, latent, cond = _setup(mods, "cosmos")
+    _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
+    a_model, a_state, _, _ = _run(mods, m, latent, cond, 3)
+    path = _save(mods, pack_module, a_model, "state_save/resume_me", a_state)
+    state_file = os.path.join(mods.tglue.checkpoint_dir(), "resume_me.state.pt")
+    assert os.path.isfile(path) and os.path.isfile(state_file)
+    assert mods.ckpt.load_state(state_file).step == 3
+    # a fresh graph: the attached (untrained) LoRA, continued from the saved state by name
+    _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="resume_me.safetensors")
+    assert steps == 6 and losses["loss"] == ref_losses["loss"]
+    os.remove(state_file)
+
+
+def test_save_refuses_a_foreign_or_existing_training_state_and_writes_nothing(mods, pack_module):
+    import folder_paths
+
+    _, m, latent, cond = _setup(mods, "cosmos")
+    a_model, a_state, _, _ = _run(mods, m, latent, cond, 2)
+    _, b_state, _, _ = _run(mods, a_model, latent, cond, 1, training_state=a_state)
+    out_dir = os.path.join(folder_paths.get_output_directory(), "state_save")
+    before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    with pytest.raises(ValueError, match=r"PrecisionSaveLoRA: input 'training_state' does not hold this LoRA's "
+                                         r"values \('.+' differs\): connect the training_state output"):
+        _save(mods, pack_module, a_model, "state_save/foreign", b_state)
+    with pytest.raises(ValueError, match=r"input 'training_state' belongs to a different LoRA"):
+        _save(mods, pack_module, _setup(mods, "flux1")[1], "state_save/foreign", a_state)
+    state_file = os.path.join(mods.tglue.checkpoint_dir(), "taken.state.pt")
+    with open(state_file, "wb") as f:
+        f.write(b"someone else's state")
+    try:
+        with pytest.raises(ValueError, match=r"taken.state.pt exists in .*: enable overwrite"):
+            _save(mods, pack_module, a_model, "state_save/taken", a_state)
+        with open(state_file, "rb") as f:
+            assert f.read() == b"someone else's state"
+    finally:
+        os.remove(state_file)
+    after = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    assert after == before and not os.path.exists(os.path.join(mods.tglue.checkpoint_dir(), "foreign.state.pt"))
