@@ -46,7 +46,9 @@ TRAIN_NOTE = (
     "   the LoRA so far; Checkpoint now writes a checkpoint after the current step.\n"
     "5. KSampler + preview: a look at the model with the LoRA half-way.\n"
     "6. Train LoRA (second): continues the same training state (same optimizer, same loss sequence).\n"
-    "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata);\n"
+    "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata) and, from the\n"
+    "   training_state link, demo_lora.state.pt in output/precision_lora/checkpoints: a later Train LoRA\n"
+    "   with resume_from=demo_lora.safetensors continues exactly there;\n"
     "   Loss Graph draws the whole run's learning curve (raw + smoothed) and saves it (PNG + CSV)."
 )
 
@@ -252,7 +254,8 @@ def train_links(info: dict) -> list[tuple]:
         (8, 0, 9, "samples"), (9, 0, 10, "images"),
         (7, model_out, 11, inp(t, "model")), (5, 0, 11, inp(t, "latents")), (6, 0, 11, inp(t, "conditioning")),
         (4, 0, 11, inp(t, "settings")), (7, state_out, 11, inp(t, "training_state")),
-        (11, model_out, 12, "model"), (11, loss_out, 13, graph_in[0]),
+        (11, model_out, 12, "model"), (11, state_out, 12, inp("PrecisionSaveLoRA", "training_state")),
+        (11, loss_out, 13, graph_in[0]),
     ]
     return links
 
