@@ -90,7 +90,8 @@ def _setup(args: argparse.Namespace):
 
     tiny = comfy_harness.pack_module("nodes.tiny_models")
     config = tiny.cosmos_width_config(args.width, args.blocks) if args.width else None
-    model = tiny.build_tiny_model(args.family, seed=0, unet_config=config)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    model = tiny.build_tiny_model(args.family, seed=0, dtype=dtype, unet_config=config)
     latents = [make_latent(model, 1, width=args.size, height=args.size, seed=s) for s in (1, 2)]
     return comfy_harness, model, latents, make_conditioning(model, 1)
 
@@ -113,11 +114,11 @@ def _builtin(h, model, latents, cond, args, steps: int) -> int:
     from comfy_extras.nodes_train import TrainLoraNode
 
     h.pack()
-    dtype = "fp32" if args.dtype == "fp32" else "bf16"
+    dtype = "fp32" if args.dtype == "fp32" else "bf16"  # its compute dtype = the model's; LoRA in fp32 like ours
     with torch.inference_mode():
         # (model, latents, positive, batch_size, steps, grad_accumulation_steps, learning_rate, rank, ...)
         TrainLoraNode.execute([model], latents, [cond], [1], [steps], [1], [1e-4], [args.rank], ["AdamW"], ["MSE"],
-                              [0], [dtype], [dtype], ["LoRA"], [args.checkpointing], ["[None]"])
+                              [0], [dtype], ["fp32"], ["LoRA"], [args.checkpointing], ["[None]"])
     return 0
 
 
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--size", type=int, default=256, help="latent image size in pixels")
     p.add_argument("--steps", type=int, default=6, help="steps of the measured node call (>= 2; the warm-up call comes first)")
     p.add_argument("--warm-steps", type=int, default=2)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the model's weights and compute dtype, for both trainers (LoRA parameters are fp32 in both)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per configuration (minimum kept)")
     p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     p.add_argument("--quick", action="store_true", help="tiny run for tests: flux1_dev, 32 px, 3 steps")
