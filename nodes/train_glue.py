@@ -165,7 +165,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
             for p, _ in frozen:
                 p.requires_grad_(False)
             blocks = find_block_lists(dm, BLOCK_LISTS) if settings.gradient_checkpointing else []
-            with checkpoint_blocks(blocks, in_place_safe=needs_in_place_fix(model)):
+            with checkpoint_blocks(blocks, in_place_safe=needs_in_place_fix(model), rng=lora_set.rng):
                 yield device
     finally:
         for p, flag in frozen:

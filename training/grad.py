@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -122,14 +122,26 @@ def _prepare_input(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
-def _checkpointed(forward: Any, in_place_safe: bool) -> Any:
+class RNGState(Protocol):
+    """Explicit generators a block draws from (``training.lora.DropoutRNG``)."""
+
+    def get_state(self) -> Any: ...
+
+    def set_state(self, state: Any) -> None: ...
+
+
+def _checkpointed(forward: Any, in_place_safe: bool, rng: RNGState | None) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         tensors, template = _split(args, kwargs)
         tensors = [_prepare_input(t) for t in tensors]
+        # torch replays only the global RNG; explicit generators (LoRA dropout) are replayed here: the
+        # recomputation draws the forward's masks, then the generators continue where the forward left them
+        at_forward = None if rng is None else rng.get_state()
+        calls = []
 
-        def body(*ts: torch.Tensor) -> Any:
+        def call(ts: Sequence[torch.Tensor]) -> Any:
             if not in_place_safe:  # blocks without in-place residual adds need neither clone
                 a, k = _rebuild(template, ts)
                 return forward(*a, **k)
@@ -138,17 +150,32 @@ def _checkpointed(forward: Any, in_place_safe: bool) -> Any:
             with clone_saved_tensors():
                 return forward(*a, **k)
 
+        def body(*ts: torch.Tensor) -> Any:
+            calls.append(len(calls))
+            if len(calls) == 1 or rng is None:
+                return call(ts)
+            now = rng.get_state()
+            rng.set_state(at_forward)
+            try:
+                return call(ts)
+            finally:
+                rng.set_state(now)
+
         return checkpoint(body, *tensors, use_reentrant=True, preserve_rng_state=True)
 
     return run
 
 
+
 @contextlib.contextmanager
-def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True) -> Iterator[int]:
+def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True,
+                      rng: RNGState | None = None) -> Iterator[int]:
     """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
 
     ``in_place_safe``: clone block inputs and saved tensors in the recomputation (needed for blocks that
     add residuals in place, e.g. Flux; False skips the copies for blocks that do not).
+    ``rng``: explicit generators the blocks draw from (LoRA dropout): the recomputation replays their
+    draws, which torch's ``preserve_rng_state`` does not, and leaves them where the forward left them.
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
     again on exit, so the shared model is unchanged afterwards.
     """
@@ -156,7 +183,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True) -
     try:
         for block in blocks:
             previous = block.__dict__.get("forward")
-            block.forward = _checkpointed(block.forward, in_place_safe)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, in_place_safe, rng)  # type: ignore[method-assign]
             patched.append((block, previous))
         yield len(patched)
     finally:

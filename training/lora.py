@@ -103,7 +103,10 @@ class DropoutRNG:
         return {dev: g.get_state().clone() for dev, g in self._gens.items()}
 
     def set_state(self, states: Mapping[str, torch.Tensor]) -> None:
-        """Restore what ``get_state`` returned (generators of other devices are left as they are)."""
+        """Restore exactly what ``get_state`` returned: a device missing from ``states`` goes back to never
+        used (its generator is re-seeded on next use)."""
+        for dev in [d for d in self._gens if d not in states]:
+            del self._gens[dev]
         for dev, state in states.items():
             self.get(torch.device(dev)).set_state(state.clone())
 
