@@ -269,6 +269,34 @@ class LoRAAdapter(nn.Module):
                           alpha=self.scale * self.multiplier)
         return out.view(acc.shape)
 
+    def linear_fp32(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    low: torch.dtype | None) -> torch.Tensor | None:
+        """``base_linear_fp32(x, weight, bias, low) + delta_fp32(x)`` with the delta added into the fresh base
+        output in place (an out-of-place ``addmm`` would first copy the whole (tokens, out) output). The base
+        output is not needed by any backward here (the base weight is frozen), so the in-place add is safe.
+
+        None where the in-place form does not apply (element or rank dropout active, or a base weight or
+        bias that trains, whose backward would need the unmodified output): the caller then uses
+        ``add_delta_fp32`` on ``base_linear_fp32``. Call with autocast disabled. x (..., in) → (..., out) fp32.
+        """
+        if (self.training and (self.dropout > 0 or self.rank_dropout > 0)) or weight.requires_grad or (
+                bias is not None and bias.requires_grad):
+            return None
+        self._note_use()
+        x2 = x.reshape(-1, x.shape[-1])
+        if low is None and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
+            acc = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+            xf = x2
+        else:
+            acc = base_linear_fp32(x2, weight, bias, low)
+            xf = x2.float()
+        if not (self.module_dropout > 0 and self._skip(x.device)):
+            down, up = self.down, self.up
+            if down.dtype != torch.float32:
+                down, up = down.float(), up.float()
+            acc.addmm_(torch.mm(xf, down.t()), up.t(), alpha=self.scale * self.multiplier)
+        return acc.view(*x.shape[:-1], acc.shape[-1])
+
     def delta_plain(self, x: torch.Tensor) -> torch.Tensor | None:
         """Delta in the model dtype (autocast applies as to any layer); None when skipped."""
         self._note_use()
@@ -312,9 +340,13 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _fp32_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, adapters: Sequence[LoRAAdapter],
               low: torch.dtype | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 path of ``lora_linear``, called with autocast off: fp32 base + fp32 deltas, one final cast."""
-    acc = base_linear_fp32(x, weight, bias, low)
-    for a in adapters:
+    """The fp32 path of ``lora_linear``, called with autocast off: fp32 base + fp32 deltas, one final cast.
+    The first adapter is fused with the base linear when it can be (``LoRAAdapter.linear_fp32``)."""
+    acc = adapters[0].linear_fp32(x, weight, bias, low)
+    rest = adapters[1:] if acc is not None else adapters
+    if acc is None:
+        acc = base_linear_fp32(x, weight, bias, low)
+    for a in rest:
         acc = a.add_delta_fp32(acc, x)
     return acc.to(out_dtype)
 

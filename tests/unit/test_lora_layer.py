@@ -254,3 +254,49 @@ def test_replaced_or_loaded_up_factor_is_never_treated_as_zero():
         fresh.load_state_dict(src.state_dict(), assign=assign)
         assert not fresh.delta_is_zero()
         torch.testing.assert_close(fresh.forward_with_base(x, w, b), src.forward_with_base(x, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_fp32_path_equals_the_composition_it_replaces(dtype):
+    """``linear_fp32`` (delta added into the base output in place) gives the values and gradients of
+    base_linear_fp32 + add_delta_fp32; with bf16 operands both agree with fp64 at bf16 level."""
+    a, x, w, b = _layer(n_in=64, n_out=96, rank=4, seed=5)
+    x, w, b = x.to(dtype), w.to(dtype), b.to(dtype)
+    a.train()
+
+    def run(in_place: bool):
+        a.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_(True)
+        if in_place:
+            out = a.linear_fp32(xx, w, b, None)
+            assert out is not None and out._version == 1  # the delta went into the base output in place
+            out = out.to(dtype)
+        else:
+            out = a.add_delta_fp32(base_linear_fp32(xx, w, b), xx).to(dtype)
+        out.float().pow(2).sum().backward()
+        return out, xx.grad, a.down.grad.clone(), a.up.grad.clone()
+
+    fused, plain = run(True), run(False)
+    assert fused[0].dtype == fused[1].dtype == dtype
+    for got, want in zip(fused, plain):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(got, want)  # the same operations in the same order
+    if dtype == torch.bfloat16:
+        _, gx64, _, gup64 = _grads_fp64(a, x, w, b)
+        for got, want in ((fused[1], gx64), (fused[3], gup64)):
+            assert ((got.double() - want).norm() / want.norm()) < 1e-2
+
+
+def test_in_place_path_is_not_used_for_dropout_or_a_trainable_base():
+    a, x, w, b = _layer(seed=6, dropout=0.5)
+    a.train()
+    assert a.linear_fp32(x, w, b, None) is None  # the dropout mask needs its own path
+    a.eval()
+    assert a.linear_fp32(x, w, b, None) is not None  # dropout is off outside train()
+    trainable = w.detach().requires_grad_(True)
+    assert a.linear_fp32(x, trainable, b, None) is None  # its backward needs the unmodified output
+    out = lora_linear(x, trainable, b, (a,))
+    out.sum().backward()
+    torch.testing.assert_close(trainable.grad, torch.ones(15, 96).t() @ x.reshape(-1, 64))
