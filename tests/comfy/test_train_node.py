@@ -292,3 +292,20 @@ def test_checkpointing_with_lora_dropout_trains_the_same_lora(mods, family):
     for key in plain:
         torch.testing.assert_close(ckpt[key], plain[key], rtol=1e-5, atol=1e-6, msg=key)
     assert plain_rng.keys() == ckpt_rng.keys() and all(torch.equal(plain_rng[k], ckpt_rng[k]) for k in plain_rng)
+
+
+@pytest.mark.parametrize("family", ["cosmos", "flux1"])
+def test_checkpointing_wraps_every_block_but_the_last_and_unwraps_them(mods, family):
+    """Backward needs the last block's activations first: recomputing them saves no peak memory."""
+    _, m, _, _ = _setup(mods, family)
+    forked, lora_set = mods.tglue.fork_lora(m)
+    dm = forked.model.diffusion_model
+    blocks = mods.tglue.find_block_lists(dm, mods.tglue.BLOCK_LISTS)
+    assert len(blocks) >= 2
+    with mods.tglue.training_session(forked, lora_set, mods.Settings(gradient_checkpointing=True)):
+        inside = ["forward" in b.__dict__ for b in blocks]
+    assert inside == [True] * (len(blocks) - 1) + [False]
+    assert not any("forward" in b.__dict__ for b in blocks)
+    with mods.tglue.training_session(forked, lora_set, mods.Settings(gradient_checkpointing=False)):
+        assert not any("forward" in b.__dict__ for b in blocks)
+
