@@ -4,8 +4,9 @@ Everything ComfyUI-specific that the pure loop (``training.loop``) needs is buil
 - ``model_fns``: predict / sigma_of_u / noise_latent / target from the model's own ``model_sampling``
   (velocity for flow models, noise for eps/v models) and ``apply_model`` with the patcher's
   ``transformer_options`` (so the attention override applies during training);
-- ``training_session``: load through ComfyUI's model management, freeze base weights, autograd on,
-  in-place-safe saved tensors on Flux-like families, optional block checkpointing; unload afterwards;
+- ``training_session``: load through ComfyUI's model management, copy inference-mode weights (stock
+  loaders) out of inference mode once, freeze base weights, autograd on, in-place-safe saved tensors on
+  Flux-like families, optional block checkpointing; unload afterwards;
 - ``fork_lora``: the output MODEL gets its own copy of the LoRA set, so a chained node never mutates
   the LoRA of an upstream (cached) output;
 """
@@ -151,13 +152,48 @@ def _unload(model: Any) -> None:
     mm.soft_empty_cache()
 
 
+def normal_weights(dm: torch.nn.Module) -> int:
+    """Replace every inference-tensor parameter and buffer of ``dm`` by an ordinary copy, in place in the
+    module (ComfyUI itself swaps Parameter objects when it patches weights); returns how many.
+
+    Weights that ComfyUI's own loaders (``UNETLoader``) create inside a node are inference tensors, which
+    autograd refuses to save for backward. Converted once here, a layer's forward no longer has to copy
+    its weight on every call (a whole-model copy per step, all of it held until backward). Values, dtypes,
+    devices and ``requires_grad`` flags are unchanged; the old tensor is freed as each copy is made, so the
+    peak grows by one tensor at most.
+    """
+    count = 0
+    with torch.inference_mode(False):
+        for name, p in list(dm.named_parameters()):
+            if p.is_inference():
+                owner, attr = _owner(dm, name)
+                owner._parameters[attr] = torch.nn.Parameter(p.clone(), requires_grad=p.requires_grad)
+                count += 1
+        for name, b in list(dm.named_buffers()):
+            if b.is_inference():
+                owner, attr = _owner(dm, name)
+                owner._buffers[attr] = b.clone()
+                count += 1
+    return count
+
+
+def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
 @contextlib.contextmanager
 def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
-    """Load ``model`` (with its object patches) through model management, freeze the base weights, enable
-    autograd and (optionally) checkpoint blocks for the body; undo all of it on exit. Yields the device."""
+    """Load ``model`` (with its object patches) through model management, make its weights ordinary
+    tensors (``normal_weights``), freeze them, enable autograd and (optionally) checkpoint blocks for the
+    body; undo all of it but the weight conversion on exit. Yields the device."""
     mm.load_models_gpu([model], force_full_load=True)
     device = model.load_device
     dm = model.model.diffusion_model
+    converted = normal_weights(dm)
+    if converted:
+        log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
+                 "(once per model)", converted)
     frozen = [(p, p.requires_grad) for p in dm.parameters()]
     lora_set.to(device)
     try:

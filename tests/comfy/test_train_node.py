@@ -309,3 +309,36 @@ def test_checkpointing_wraps_every_block_but_the_last_and_unwraps_them(mods, fam
     with mods.tglue.training_session(forked, lora_set, mods.Settings(gradient_checkpointing=False)):
         assert not any("forward" in b.__dict__ for b in blocks)
 
+
+def test_stock_loader_weights_are_copied_out_of_inference_mode_once(mods, pack):
+    """UNETLoader (run under inference mode, as ComfyUI runs every node) gives inference-tensor weights;
+    training copies them once instead of on every forward, and their values stay the same."""
+    import folder_paths
+    import nodes as comfy_nodes
+
+    from models import write_model_file
+
+    folder = folder_paths.get_folder_paths("diffusion_models")[0]
+    os.makedirs(folder, exist_ok=True)
+    write_model_file("cosmos", os.path.join(folder, "train_stock_cosmos.safetensors"))
+    with torch.inference_mode():
+        (stock,) = comfy_nodes.UNETLoader().load_unet("train_stock_cosmos.safetensors", "default")
+    dm = stock.model.diffusion_model
+    assert all(p.is_inference() for p in dm.parameters())  # what the stock loader hands over
+    before = {k: v.clone() for k, v in dm.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in dm.named_parameters()}
+    seen = []
+    hook = dm.blocks[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, args: seen.append((torch.is_grad_enabled(), m.weight.is_inference())))
+    try:
+        with torch.inference_mode():
+            m = mods.glue.attach_lora(stock, mods.lora.LoRAConfig(rank=4, alpha=4, targets="all"))
+        _, _, losses, steps = _run(mods, m, make_latent(stock, 1, width=32, height=32), make_conditioning(stock, 1), 2)
+    finally:
+        hook.remove()
+    assert steps == 2 and all(v is not None for v in losses["loss"])
+    assert [s for s in seen if s[0]] and not any(inf for grad, inf in seen if grad)  # no inference weight in training
+    assert not any(p.is_inference() for p in dm.parameters())
+    after = dm.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert flags == {n: p.requires_grad for n, p in dm.named_parameters()}
