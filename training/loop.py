@@ -234,10 +234,16 @@ class _Run:
         return point, outcome
 
 
+@torch.no_grad()
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """2-norm over all tensors (non-finite if any element is); a 0-d zero for an empty list."""
-    tensors = [t.detach() for t in tensors]
-    return torch.nn.utils.get_total_norm(tensors) if tensors else torch.zeros(())
+    """2-norm over all tensors (non-finite if any element is); a 0-d zero for an empty list. One
+    ``_foreach_norm`` when all share a device and dtype (the usual LoRA set), else torch's grouping helper."""
+    if not tensors:
+        return torch.zeros(())
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+    return torch.nn.utils.get_total_norm(tensors)
 
 
 def _abort_step(run: _Run) -> None:

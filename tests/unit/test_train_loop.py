@@ -287,3 +287,19 @@ def test_guard_snapshot_is_a_cpu_copy_that_survives_later_steps() -> None:
         p.grad = torch.full((3,), 5.0)
         opt.step()
     assert guard.last_good.params[0].data_ptr() != p.data_ptr()
+
+
+def test_total_norm_is_torchs_total_norm_and_flags_non_finite() -> None:
+    from training.loop import _total_norm
+
+    g = torch.Generator().manual_seed(0)
+    same = [torch.randn(8, 5, generator=g), torch.randn(7, generator=g), torch.randn(3, 8, generator=g)]
+    mixed = same[:2] + [same[2].double()]
+    for tensors in (same, mixed):
+        torch.testing.assert_close(_total_norm(tensors).double(), torch.nn.utils.get_total_norm(tensors).double())
+    assert float(_total_norm([])) == 0.0
+    bad = [t.clone() for t in same]
+    bad[1][3] = float("inf")
+    assert not bool(torch.isfinite(_total_norm(bad)))
+    bad[1][3] = float("nan")
+    assert not bool(torch.isfinite(_total_norm(bad)))
