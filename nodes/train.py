@@ -78,7 +78,8 @@ def _settings_inputs() -> list:
         _combo("nan_policy", list(NAN_POLICIES), "; ".join(f"{k}: {v}" for k, v in NAN_POLICIES.items())),
         _int("nan_patience", 1, 100, "Non-finite steps in a row before rollback / stop."),
         io.Boolean.Input("gradient_checkpointing", default=D.gradient_checkpointing,
-                         tooltip="Recompute each transformer block in backward: less memory, ~30% more time."),
+                         tooltip="Recompute every transformer block but the last in backward: far less activation "
+                                 "memory for more time per step (bench/train.py measures both)."),
     ]
 
 
