@@ -300,3 +300,18 @@ def test_in_place_path_is_not_used_for_dropout_or_a_trainable_base():
     out = lora_linear(x, trainable, b, (a,))
     out.sum().backward()
     torch.testing.assert_close(trainable.grad, torch.ones(15, 96).t() @ x.reshape(-1, 64))
+
+
+@pytest.mark.gpu
+def test_cuda_in_place_path_with_fp32_output_gemm_matches_the_cpu_reference():
+    """On CUDA the bf16 base GEMM writes fp32 (aten::mm.dtype) and the delta is added into it in place."""
+    a, x, w, b = _bf16_case()
+    a.train()
+    ref = _grads_fp64(a, x, w, b)
+    a.cuda()
+    xx = x.cuda().requires_grad_(True)
+    out = a.linear_fp32(xx, w.cuda(), b.cuda(), None)
+    assert out is not None and out.dtype == torch.float32 and out._version == 1
+    out.pow(2).sum().backward()
+    for got, want in ((out, ref[0]), (xx.grad, ref[1]), (a.up.grad, ref[3])):
+        assert ((got.double().cpu() - want).norm() / want.norm()) < 1e-2
