@@ -6,6 +6,7 @@ under ``torch.inference_mode()``, like ComfyUI's executor does.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import pytest
@@ -342,3 +343,36 @@ def test_stock_loader_weights_are_copied_out_of_inference_mode_once(mods, pack):
     after = dm.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert flags == {n: p.requires_grad for n, p in dm.named_parameters()}
+
+
+def test_fp8_base_trains_the_same_through_stock_and_precision_loaders(mods, pack):
+    """An fp8_e4m3fn base (ComfyUI casts each weight to the compute dtype per layer) trains through either
+    loader with the same losses; the fp8 weights are bit-identical afterwards."""
+    import comfy_harness
+    import folder_paths
+    import nodes as comfy_nodes
+
+    from models import write_model_file
+
+    folder = folder_paths.get_folder_paths("diffusion_models")[0]
+    os.makedirs(folder, exist_ok=True)
+    write_model_file("cosmos", os.path.join(folder, "train_fp8_cosmos.safetensors"))
+    loader = comfy_harness.node_class("PrecisionLoadDiffusionModel")
+    with torch.inference_mode():
+        (stock,) = comfy_nodes.UNETLoader().load_unet("train_fp8_cosmos.safetensors", "fp8_e4m3fn")
+        ours, _ = loader.execute(model_name="train_fp8_cosmos.safetensors", weight_dtype="fp8_e4m3fn").args
+    results = []
+    for model in (stock, ours):
+        dm = model.model.diffusion_model
+        assert dm.blocks[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+        before = {k: v.clone() for k, v in dm.state_dict().items()}
+        with torch.inference_mode():
+            m = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=4, alpha=4, targets="all"))
+        out, _, losses, _ = _run(mods, m, make_latent(model, 1, width=32, height=32), make_conditioning(model, 1), 3,
+                                 settings=mods.Settings(learning_rate=1e-2))
+        after = dm.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        lora = _lora_values(out, mods)
+        assert any(v.abs().sum() > 0 for k, v in lora.items() if "up" in k)  # the LoRA trained
+        results.append(losses["loss"])
+    assert results[0] == results[1] and all(math.isfinite(v) for v in results[0])
