@@ -156,9 +156,10 @@ def normal_weights(dm: torch.nn.Module) -> int:
     """Replace every inference-tensor parameter and buffer of ``dm`` by an ordinary copy, in place in the
     module (ComfyUI itself swaps Parameter objects when it patches weights); returns how many.
 
-    Weights that ComfyUI's own loaders (``UNETLoader``) create inside a node are inference tensors, which
-    autograd refuses to save for backward. Converted once here, a layer's forward no longer has to copy
-    its weight on every call (a whole-model copy per step, all of it held until backward). Values, dtypes,
+    Weights that ComfyUI's own loaders (``UNETLoader``) create inside a node are inference tensors (so are
+    the device copies model management makes when it loads a model inside a node), which autograd refuses
+    to save for backward. Converted once per load here, a layer's forward no longer has to copy its weight
+    on every call (a whole-model copy per step, all of it held until backward). Values, dtypes,
     devices and ``requires_grad`` flags are unchanged; the old tensor is freed as each copy is made, so the
     peak grows by one tensor at most.
     """
@@ -193,7 +194,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     converted = normal_weights(dm)
     if converted:
         log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
-                 "(once per model)", converted)
+                 "(once per load)", converted)
     frozen = [(p, p.requires_grad) for p in dm.parameters()]
     lora_set.to(device)
     try:
