@@ -12,6 +12,7 @@ Everything ComfyUI-specific that the pure loop (``training.loop``) needs is buil
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -160,27 +161,29 @@ def normal_weights(dm: torch.nn.Module) -> int:
     the device copies model management makes when it loads a model inside a node), which autograd refuses
     to save for backward. Converted once per load here, a layer's forward no longer has to copy its weight
     on every call (a whole-model copy per step, all of it held until backward). Values, dtypes,
-    devices and ``requires_grad`` flags are unchanged; the old tensor is freed as each copy is made, so the
-    peak grows by one tensor at most.
+    devices and ``requires_grad`` flags are unchanged, and a tensor two modules share stays shared. Each old
+    tensor is freed as its copy is made (tied ones after the pass), so the peak grows by about one tensor.
     """
-    count = 0
+    slots = [(table, attr) for module in dm.modules() for table in (module._parameters, module._buffers)
+             for attr, t in table.items() if t is not None and t.is_inference()]
+    uses = collections.Counter(id(table[attr]) for table, attr in slots)  # all alive: ids are unique here
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied tensors: (old, kept alive; copy)
     with torch.inference_mode(False):
-        for name, p in list(dm.named_parameters()):
-            if p.is_inference():
-                owner, attr = _owner(dm, name)
-                owner._parameters[attr] = torch.nn.Parameter(p.clone(), requires_grad=p.requires_grad)
-                count += 1
-        for name, b in list(dm.named_buffers()):
-            if b.is_inference():
-                owner, attr = _owner(dm, name)
-                owner._buffers[attr] = b.clone()
-                count += 1
-    return count
+        for table, attr in slots:
+            old = table[attr]
+            if uses[id(old)] > 1:
+                if id(old) not in shared:
+                    shared[id(old)] = (old, _ordinary_copy(old))
+                table[attr] = shared[id(old)][1]
+            else:
+                table[attr] = _ordinary_copy(old)
+            del old
+    return len(uses)
 
 
-def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (root.get_submodule(path) if path else root), attr
+def _ordinary_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.clone()  # outside inference mode: an ordinary tensor
+    return torch.nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copy
 
 
 @contextlib.contextmanager

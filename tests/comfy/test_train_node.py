@@ -376,3 +376,19 @@ def test_fp8_base_trains_the_same_through_stock_and_precision_loaders(mods, pack
         assert any(v.abs().sum() > 0 for k, v in lora.items() if "up" in k)  # the LoRA trained
         results.append(losses["loss"])
     assert results[0] == results[1] and all(math.isfinite(v) for v in results[0])
+
+
+def test_normal_weights_keeps_tied_tensors_tied_and_values_flags_equal(mods):
+    with torch.inference_mode():
+        root = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+        root[1].weight = root[0].weight  # tied
+        root[0].bias.requires_grad_(False)
+    values = {k: v.clone() for k, v in root.state_dict().items()}
+    assert root[0].weight.is_inference() and root[2].running_mean.is_inference()
+    assert mods.tglue.normal_weights(root) == 8  # the tied weight once, 2 biases, BatchNorm: 2 params, 3 buffers
+    assert root[1].weight is root[0].weight and isinstance(root[0].weight, torch.nn.Parameter)
+    assert not any(t.is_inference() for t in [*root.parameters(), *root.buffers()])
+    assert not root[0].bias.requires_grad and root[1].bias.requires_grad
+    after = root.state_dict()
+    assert all(torch.equal(values[k], after[k]) for k in values)
+    assert mods.tglue.normal_weights(root) == 0  # nothing left to copy
