@@ -42,7 +42,8 @@ class LoRAForward:
         m = self.module
         for a in self.adapters:
             if a.down.device != x.device:
-                a.to(x.device)  # adapters are not submodules of the model: follow the input's device
+                with torch.inference_mode(False):  # else Module.to would make its parameters inference tensors
+                    a.to(x.device)  # adapters are not submodules of the model: follow the input's device
         cast = getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
         if cast:
             weight, bias, stream = comfy.ops.cast_bias_weight(m, x, offloadable=True)

@@ -199,7 +199,8 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
         log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
                  "(once per load)", converted)
     frozen = [(p, p.requires_grad) for p in dm.parameters()]
-    lora_set.to(device)
+    with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
+        lora_set.to(device)
     try:
         with autograd_enabled():
             for p, _ in frozen:
