@@ -400,8 +400,10 @@ class LoRASet(nn.Module):
         new = LoRASet(self.config, shapes, init=False)
         first = next(self.parameters())
         new.to(first.device)
-        with torch.no_grad():
-            new.load_state_dict(self.state_dict())
+        with torch.no_grad():  # name by name (load_state_dict matches every key against every module: quadratic)
+            mine = dict(self.named_parameters())
+            for name, p in new.named_parameters():
+                p.copy_(mine[name])
         new.rng.set_state(self.rng.get_state())
         new.info = dict(self.info)
         return new
