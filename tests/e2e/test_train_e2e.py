@@ -128,6 +128,27 @@ def test_two_chained_training_nodes_save_the_same_lora_as_one(server):
     assert any(k.endswith("lora_up.weight") and a[k].abs().max() > 0 for k in a)
 
 
+
+def test_a_model_from_the_stock_loader_trains_the_same_lora(server):
+    """UNETLoader (ComfyUI's *Load Diffusion Model*, inference-mode weights) -> Attach -> Train -> Save gives
+    the same LoRA as the same graph on PrecisionLoadDiffusionModel (both fp32 on this CPU)."""
+    saved = {}
+    for loader in ("precision", "stock"):
+        prompt = _train_prompt()
+        for key in ("8", "9", "10"):
+            del prompt[key]
+        prompt["6"]["inputs"].update(steps=2, name=f"e2e_loader_{loader}")
+        prompt["7"]["inputs"]["filename_prefix"] = f"e2e_loader/{loader}"
+        if loader == "stock":
+            prompt["1"] = {"class_type": "UNETLoader", "inputs": {"unet_name": COSMOS, "weight_dtype": "default"}}
+        entry = server.run(prompt)
+        (path,) = entry["outputs"]["7"]["text"]
+        saved[loader] = safetensors.torch.load_file(path)
+    ours, stock = saved["precision"], saved["stock"]
+    assert ours.keys() == stock.keys() and len(ours) > 0
+    assert all(torch.equal(ours[k], stock[k]) for k in ours)
+    assert any(k.endswith("lora_up.weight") and ours[k].abs().max() > 0 for k in ours)
+
 def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> tuple[list[dict], str]:
     """Queue ``prompt``; call ``on_step(step_data)`` on every train_step event; return (events, prompt_id)."""
     client_id = str(uuid.uuid4())
