@@ -392,3 +392,26 @@ def test_normal_weights_keeps_tied_tensors_tied_and_values_flags_equal(mods):
     after = root.state_dict()
     assert all(torch.equal(values[k], after[k]) for k in values)
     assert mods.tglue.normal_weights(root) == 0  # nothing left to copy
+
+
+def test_weights_the_load_itself_turns_into_inference_tensors_are_copied(mods, monkeypatch):
+    """On a GPU, model management moves the weights inside the node, i.e. under inference mode, and
+    ``Module.to`` there makes them inference tensors; so the copy must come after the load. Simulated on
+    the CPU with a lossless dtype round trip inside the load."""
+    import comfy.model_management as mm
+
+    original, moved = mm.load_models_gpu, []
+
+    def load_like_a_gpu(models, *args, **kwargs):
+        out = original(models, *args, **kwargs)
+        for m in models:
+            dm = m.model.diffusion_model
+            dm.to(torch.float64).to(torch.float32)
+            moved.append(all(p.is_inference() for p in dm.parameters()))
+        return out
+
+    monkeypatch.setattr(mm, "load_models_gpu", load_like_a_gpu)
+    _, m, latent, cond = _setup(mods, "cosmos")
+    _, _, losses, steps = _run(mods, m, latent, cond, 2)
+    assert moved and all(moved)  # the simulated load did produce inference weights
+    assert steps == 2 and all(v is not None and math.isfinite(v) for v in losses["loss"])
