@@ -261,9 +261,7 @@ class LoRAAdapter(nn.Module):
         self._note_use()
         if self.module_dropout > 0 and self._skip(x.device):
             return acc
-        down, up = self.down, self.up
-        if down.dtype != torch.float32:
-            down, up = down.float(), up.float()
+        down, up = self._factors_fp32()
         h = self._down(x if x.dtype == torch.float32 else x.float(), down)
         out = torch.addmm(acc.reshape(-1, acc.shape[-1]), h.reshape(-1, h.shape[-1]), up.t(),
                           alpha=self.scale * self.multiplier)
@@ -284,18 +282,18 @@ class LoRAAdapter(nn.Module):
             return None
         self._note_use()
         x2 = x.reshape(-1, x.shape[-1])
-        if low is None and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
-            acc = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
-            xf = x2
-        else:
-            acc = base_linear_fp32(x2, weight, bias, low)
-            xf = x2.float()
+        acc = base_linear_fp32(x2, weight, bias, low)  # a fresh tensor on every path
         if not (self.module_dropout > 0 and self._skip(x.device)):
-            down, up = self.down, self.up
-            if down.dtype != torch.float32:
-                down, up = down.float(), up.float()
-            acc.addmm_(torch.mm(xf, down.t()), up.t(), alpha=self.scale * self.multiplier)
+            down, up = self._factors_fp32()
+            h = torch.mm(x2 if x2.dtype == torch.float32 else x2.float(), down.t())
+            acc.addmm_(h, up.t(), alpha=self.scale * self.multiplier)
         return acc.view(*x.shape[:-1], acc.shape[-1])
+
+    def _factors_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down, up) as fp32 tensors: the Parameters themselves when stored in fp32 (no cast per call)."""
+        if self.down.dtype == torch.float32:
+            return self.down, self.up
+        return self.down.float(), self.up.float()
 
     def delta_plain(self, x: torch.Tensor) -> torch.Tensor | None:
         """Delta in the model dtype (autocast applies as to any layer); None when skipped."""
@@ -342,10 +340,9 @@ def _fp32_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               low: torch.dtype | None, out_dtype: torch.dtype) -> torch.Tensor:
     """The fp32 path of ``lora_linear``, called with autocast off: fp32 base + fp32 deltas, one final cast.
     The first adapter is fused with the base linear when it can be (``LoRAAdapter.linear_fp32``)."""
-    acc = adapters[0].linear_fp32(x, weight, bias, low)
-    rest = adapters[1:] if acc is not None else adapters
+    acc, rest = adapters[0].linear_fp32(x, weight, bias, low), adapters[1:]
     if acc is None:
-        acc = base_linear_fp32(x, weight, bias, low)
+        acc, rest = base_linear_fp32(x, weight, bias, low), adapters
     for a in rest:
         acc = a.add_delta_fp32(acc, x)
     return acc.to(out_dtype)
