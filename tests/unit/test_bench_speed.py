@@ -1,6 +1,9 @@
-"""bench/speed.py: ratio parsing on known output, a missing bench reported as missing, a real quick run."""
+"""bench/speed.py: ratio parsing on known output, a missing bench reported as missing, a real quick run.
+
+D12 (issue 13): timing asserts hold on any machine (a finite, positive ratio), never a speed band."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -46,8 +49,9 @@ def test_speed_quick_collects_the_lora_bench_ratio(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| lora |"))
     value = float(row.split("|")[4])
-    # A real fp32/bf16 cost ratio from a real run (the layer is never 5x faster or 20x slower either way).
-    assert "fp32/bf16" in row and 0.2 < value < 20
+    # A real fp32/bf16 cost ratio from a real run. Only what holds on any CPU is asserted (finite, > 0):
+    # the band is machine-specific (0.048 on an AMD EPYC without AVX-512 bf16); targets live in the bench.
+    assert "fp32/bf16" in row and math.isfinite(value) and value > 0
     assert "`.venv/bin/python bench/lora.py --quick`" in row
     assert re.search(r"\| train \||\| attention \|", out) is None  # --only ran one bench
 
