@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .checks import number_problem
 from .optim import OPTIMIZERS, SCHEDULES
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS
 
@@ -58,6 +59,7 @@ class TrainSettings:
     def validate(self) -> None:
         """Raise ValueError naming the field, the bad value and the fix."""
         self._validate_names()
+        self._validate_floats()
         if not self.learning_rate > 0:
             raise _err("learning_rate", self.learning_rate, "must be > 0 (typical LoRA values: 1e-5 .. 1e-3)")
         if self.weight_decay < 0:
@@ -95,6 +97,15 @@ class TrainSettings:
             value = getattr(self, field)
             if value not in registry:
                 raise _err(field, value, f"unknown; choose one of {sorted(registry)}")
+
+    def _validate_floats(self) -> None:
+        """Every float field is a finite number: NaN passes every ``<``/``>`` bound test below (a NaN
+        max_grad_norm would silently turn clipping off, a NaN dop_multiplier DOP)."""
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                problem = number_problem(getattr(self, f.name))
+                if problem is not None:
+                    raise _err(f.name, getattr(self, f.name), problem)
 
     def _validate_counts(self) -> None:
         minimums = {"warmup_steps": 0, "schedule_steps": 1, "restarts": 1, "batch_size": 1, "grad_accum": 1,
