@@ -102,17 +102,21 @@ class AttentionDispatcher:
         return backend
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-            layout: str = "bhld", layer: str = "call") -> torch.Tensor:
+            layout: str = "bhld", layer: str = "call", scale: float | None = None,
+            backend_name: str | None = None) -> torch.Tensor:
         """Attention of q/k/v (``layout``) with the configured backend and scale; output like q.
 
-        Not for ``backend == "auto"`` (the ComfyUI glue delegates that to ComfyUI's own backend).
+        ``scale`` replaces ``cfg.resolve_scale(head_dim)`` when the caller resolved it (a model that brings
+        its own base scale); ``backend_name`` replaces ``cfg.backend`` for this call. Not for backend "auto"
+        (the ComfyUI glue delegates that to ComfyUI's own backend).
         """
-        if self.cfg.backend == "auto":
+        name = backend_name or self.cfg.backend
+        if name == "auto":
             raise ValueError("AttentionDispatcher.run cannot run backend 'auto'; the ComfyUI glue delegates it")
-        head_dim = to_bhld(q, layout).shape[-1]
-        scale = self.cfg.resolve_scale(head_dim)
+        if scale is None:
+            scale = self.cfg.resolve_scale(to_bhld(q, layout).shape[-1])
         self.observe(q, k, scale, mask, layout, layer)
-        backend = self.backend_for(self.cfg.backend, q, k, v, mask)
+        backend = self.backend_for(name, q, k, v, mask)
         out_dtype = q.dtype
         if self.cfg.fp32_softmax and q.dtype != torch.float64:
             q, k, v = q.float(), k.float(), v.float()

@@ -11,10 +11,17 @@ Backend ``auto`` delegates to ``func`` (q multiplied by scale·sqrt(d) in fp32 f
 ``func`` is the undecorated backend and kwargs keep ``_inside_attn_wrapper``, so it never re-enters the
 override. When autograd needs gradients and ``func`` is ComfyUI's sage or flash path (no usable backward),
 ``auto`` falls back to our ``sdpa`` with a logged warning. An explicitly chosen ``sage`` raises instead.
+
+Keywords newer ComfyUI passes (0.33): ``scale`` (a model's own base scale, which every backend there
+honours) is the base of the default and multiplier modes; ``enable_gqa`` (k/v with fewer heads than q)
+is forwarded to ComfyUI's backend, and our backends get k/v heads repeated; ``low_precision_attention``
+False (the model needs full precision there) runs an explicitly chosen ``sage`` on sdpa for that call.
+Everything else is forwarded untouched.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any, Callable
 
@@ -23,14 +30,13 @@ import torch
 from ..attention.config import AttentionConfig
 from ..attention.dispatch import AttentionDispatcher, grads_needed, scale_query
 from ..attention.stats import AttentionStats
+from .comfy_compat import has_backward
 
 log = logging.getLogger(__name__)
 
 OVERRIDE_KEY = "optimized_attention_override"
 # ComfyUI's backends take these after (q, k, v, heads), in this order.
 POSITIONAL_NAMES = ("mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-# ComfyUI backends whose gradients do not work (sage: none; flash: custom op without autograd formula).
-NO_BACKWARD_FUNCS = ("attention_sage", "attention_flash")
 
 
 def _bind(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -50,6 +56,18 @@ def _to_4d(x: torch.Tensor, heads: int, skip_reshape: bool) -> tuple[torch.Tenso
         return x, "bhld"
     b, length, inner = x.shape
     return x.reshape(b, length, heads, inner // heads), "blhd"  # a view unless x is oddly strided
+
+
+def k_heads(k: torch.Tensor, head_dim: int, skip_reshape: bool) -> int:
+    """Heads of a key/value tensor: fewer than the query's under grouped-query attention."""
+    return k.shape[1] if skip_reshape else k.shape[-1] // head_dim
+
+
+def _expand_heads(kv: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
+    """k or v (4-D, ``layout``) with its heads repeated to q's head count (a no-op without GQA)."""
+    axis = 1 if layout == "bhld" else 2
+    groups = q.shape[axis] // kv.shape[axis]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=axis)
 
 
 def _from_4d(out: torch.Tensor, layout: str, skip_output_reshape: bool) -> torch.Tensor:
@@ -86,11 +104,20 @@ class PrecisionAttentionOverride:
         layer = self._layer_label(kwargs.get("transformer_options"))
         if self.cfg.backend == "auto" and not self._auto_needs_fallback(func, q, k, v):
             return self._delegate(func, q, k, v, heads, rest, kwargs, bound, layer)
-        return self._run_ours(q, k, v, heads, bound, layer)
+        return self._run_ours(q, k, v, heads, bound, kwargs, layer)
+
+    def target_scale(self, head_dim: int, model_scale: float | None) -> float:
+        """The softmax scale of one call. ``model_scale``: the ``scale`` a model passes itself (ComfyUI
+        0.33+ backends honour it); it replaces 1/sqrt(head_dim) as the base of default and multiplier
+        modes, while an absolute scale stays absolute."""
+        resolved = self.cfg.resolve_scale(head_dim)
+        if model_scale is None or self.cfg.scale_mode == "absolute":
+            return resolved
+        return resolved * float(model_scale) * math.sqrt(head_dim)
 
     def _auto_needs_fallback(self, func: Callable[..., torch.Tensor], q, k, v) -> bool:
-        name = getattr(func, "__name__", "")
-        if name in NO_BACKWARD_FUNCS and grads_needed(q, k, v):
+        if not has_backward(func) and grads_needed(q, k, v):
+            name = getattr(func, "__name__", "")
             self.dispatcher.warn_once(
                 f"auto-fallback:{name}",
                 f"[Precision LoRA] ComfyUI's attention backend {name} has no usable backward; while gradients "
@@ -100,21 +127,24 @@ class PrecisionAttentionOverride:
         return False
 
     def _delegate(self, func, q, k, v, heads, rest, kwargs, bound, layer) -> torch.Tensor:
-        """backend auto: ComfyUI's own backend with the scale folded into q (fp32 before the cast)."""
+        """backend auto: ComfyUI's own backend with the scale folded into q (fp32 before the cast). The
+        backend applies the model's own ``scale`` kwarg (if any) or 1/sqrt(d): q is scaled relative to it."""
         skip = bool(bound.get("skip_reshape", False))
         q4, layout = _to_4d(q, heads, skip)
-        k4, _ = _to_4d(k, heads, skip)
         head_dim = q4.shape[-1]
-        scale = self.cfg.resolve_scale(head_dim)
+        k4, _ = _to_4d(k, k_heads(k, head_dim, skip), skip)
+        model_scale = kwargs.get("scale")
+        scale = self.target_scale(head_dim, model_scale)
         mask = bound.get("mask")
-        self.dispatcher.observe(q4, k4, scale, mask, layout, layer)
+        self.dispatcher.observe(q4, _expand_heads(k4, q4, layout), scale, mask, layout, layer)
         out_dtype = q.dtype
         if self.cfg.fp32_softmax and q.dtype != torch.float64:
             q, k, v = q.float(), k.float(), v.float()
             if mask is not None and mask.dtype != torch.bool:
                 mask = mask.float()
         if not self.cfg.scale_is_default():
-            q = scale_query(q, scale, head_dim)
+            base = float(model_scale) if model_scale is not None else head_dim ** -0.5
+            q = scale_query(q, scale / (base * math.sqrt(head_dim)), head_dim)
         rest = list(rest)
         if rest:
             rest[0] = mask
@@ -122,16 +152,21 @@ class PrecisionAttentionOverride:
             kwargs = {**kwargs, "mask": mask}
         return func(q, k, v, heads, *rest, **kwargs).to(out_dtype)
 
-    def _run_ours(self, q, k, v, heads, bound, layer) -> torch.Tensor:
+    def _run_ours(self, q, k, v, heads, bound, kwargs, layer) -> torch.Tensor:
         skip = bool(bound.get("skip_reshape", False))
         q4, layout = _to_4d(q, heads, skip)
-        k4, _ = _to_4d(k, heads, skip)
-        v4, _ = _to_4d(v, heads, skip)
-        dispatcher = self.dispatcher
+        head_dim = q4.shape[-1]
+        kv_heads = k_heads(k, head_dim, skip)
+        # grouped-query attention (``enable_gqa``): each k/v head serves heads/kv_heads query heads
+        k4 = _expand_heads(_to_4d(k, kv_heads, skip)[0], q4, layout)
+        v4 = _expand_heads(_to_4d(v, kv_heads, skip)[0], q4, layout)
+        backend = None
         if self.cfg.backend == "auto":  # the logged fallback of _auto_needs_fallback
-            dispatcher = AttentionDispatcher(self.cfg.replace(backend="sdpa", collect_stats=False))
-            self.dispatcher.observe(q4, k4, self.cfg.resolve_scale(q4.shape[-1]), bound.get("mask"), layout, layer)
-        out = dispatcher.run(q4, k4, v4, mask=bound.get("mask"), layout=layout, layer=layer)
+            backend = "sdpa"
+        elif kwargs.get("low_precision_attention") is False and self.cfg.backend == "sage":
+            backend = "sdpa"  # the model asks for full-precision attention here (sage would quantise q/k)
+        out = self.dispatcher.run(q4, k4, v4, mask=bound.get("mask"), layout=layout, layer=layer,
+                                  scale=self.target_scale(head_dim, kwargs.get("scale")), backend_name=backend)
         return _from_4d(out, layout, bool(bound.get("skip_output_reshape", False)))
 
     def _layer_label(self, options: dict | None) -> str:

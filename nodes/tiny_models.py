@@ -17,6 +17,8 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.model_patcher
 
+from .comfy_compat import fit_flux_config
+
 UNET_CONFIG_KEY = "precision_lora.unet_config"
 
 _FLUX_COMMON = {
@@ -42,15 +44,15 @@ TINY_UNET_CONFIGS["flux1_stock"] = {
 }
 STOCK_DETECTABLE = ("cosmos", "flux1_stock")  # files of these need no config in their metadata
 COSMOS_CHANNELS = 192
+COSMOS_BLOCKS = 10
 FAMILIES = ("cosmos", *TINY_UNET_CONFIGS)
 
 
 def cosmos_unet_config() -> dict:
     """The config ComfyUI's own detection derives for a 192-channel Cosmos-Predict2 (Anima) DiT."""
-    probe = {
-        "blocks.0.mlp.layer1.weight": torch.empty(0),
-        "x_embedder.proj.1.weight": torch.empty(COSMOS_CHANNELS, 4 * 17),
-    }
+    # Newer ComfyUI counts the blocks in the file; 0.3.75 takes MiniTrainDIT's default of 10.
+    probe = {f"blocks.{i}.mlp.layer1.weight": torch.empty(0) for i in range(COSMOS_BLOCKS)}
+    probe["x_embedder.proj.1.weight"] = torch.empty(COSMOS_CHANNELS, 4 * 17)
     return comfy.model_detection.detect_unet_config(probe, "")
 
 
@@ -67,7 +69,7 @@ def unet_config_for(family: str) -> dict:
         return cosmos_unet_config()
     if family not in TINY_UNET_CONFIGS:
         raise ValueError(f"[Precision LoRA] unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
-    return dict(TINY_UNET_CONFIGS[family])
+    return fit_flux_config(TINY_UNET_CONFIGS[family])
 
 
 def _init_weights(module: torch.nn.Module, seed: int) -> None:
@@ -86,7 +88,11 @@ def _init_weights(module: torch.nn.Module, seed: int) -> None:
 
 def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
                             dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
-    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given)."""
+    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given).
+
+    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another)."""
+    if unet_config.get("image_model") in ("flux", "flux2"):
+        unet_config = fit_flux_config(unet_config)
     model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
     if model_config is None:
         raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
@@ -133,7 +139,6 @@ def write_tiny_model(family: str, path: str, seed: int = 0) -> str:
     if family not in STOCK_DETECTABLE:
         metadata[UNET_CONFIG_KEY] = json.dumps(unet_config_for(family))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # No relative imports in this module: scripts/make_demo_models.py loads it on its own.
     tmp = f"{path}.partial"
     safetensors.torch.save_file(tiny_state_dict(patcher), tmp, metadata=metadata)
     os.replace(tmp, path)

@@ -30,6 +30,7 @@ from ..training.lora import LoRASet
 from ..training.lora_file import default_key_style, lora_state_dict, save_lora_file
 from ..training.loop import ModelFns
 from ..training.settings import TrainSettings
+from .comfy_compat import model_gradients
 from .lora_glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
 from .model_info import describe_model
 
@@ -189,8 +190,9 @@ def _ordinary_copy(t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
     """Load ``model`` (with its object patches) through model management, make its weights ordinary
-    tensors (``normal_weights``), freeze them, enable autograd and (optionally) checkpoint blocks for the
-    body; undo all of it but the weight conversion on exit. Yields the device."""
+    tensors (``normal_weights``), freeze them, enable autograd and make ComfyUI's model code differentiable
+    (``comfy_compat.model_gradients``), optionally checkpoint blocks for the body; undo all of it but the
+    weight conversion on exit (also on error, stop and cancel). Yields the device."""
     mm.load_models_gpu([model], force_full_load=True)
     device = model.load_device
     dm = model.model.diffusion_model
@@ -202,7 +204,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
         lora_set.to(device)
     try:
-        with autograd_enabled():
+        with autograd_enabled(), model_gradients():
             for p, _ in frozen:
                 p.requires_grad_(False)
             # The last block is left out: backward needs its activations first, so recomputing them would

@@ -22,15 +22,10 @@ def main(argv: list[str]) -> None:
     force = "--force" in argv
     folder = os.path.join(base, "models", "diffusion_models")
     os.makedirs(folder, exist_ok=True)
-    # Only ComfyUI and nodes/tiny_models.py are needed (not the whole pack, so demo models can be made
-    # even while a node module is broken).
-    comfy_bootstrap.init_in_process(base)
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(
-        "precision_lora_tiny_models", os.path.join(comfy_bootstrap.ROOT, "nodes", "tiny_models.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
+    pack = comfy_bootstrap.load_pack_in_process(base)
+    tiny = importlib.import_module(f"{pack.__name__}.nodes.tiny_models")
     for family in DEMO_FAMILIES:
         path = os.path.join(folder, tiny.demo_model_filename(family))
         if force or not os.path.exists(path):

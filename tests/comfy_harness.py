@@ -6,7 +6,9 @@ registered node class; ``run_graph(prompt)`` executes an API-format prompt with 
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
 import sys
 import tempfile
@@ -53,7 +55,6 @@ def run_graph(prompt: dict, outputs: list[str] | None = None) -> dict:
     Returns ``{"success", "messages", "outputs": {node_id: tuple of output values}, "ui": {...}}``.
     Raises AssertionError with ComfyUI's validation errors if the prompt does not validate.
     """
-    import asyncio
     import uuid
 
     pack()
@@ -72,11 +73,13 @@ def run_graph(prompt: dict, outputs: list[str] | None = None) -> dict:
             if not ok:
                 raise AssertionError(f"node {node_id} did not validate: {errors}")
     executor = execution.PromptExecutor(server(), cache_type=execution.CacheType.CLASSIC,
-                                        cache_args={"lru": 0, "ram": 0})
+                                        cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
     executor.execute(prompt, prompt_id, {}, outputs)
     values = {}
     for node_id in prompt:
         entry = executor.caches.outputs.get(node_id)
+        if inspect.isawaitable(entry):  # ComfyUI 0.33's caches are async
+            entry = asyncio.run(entry)
         if entry is not None:
             values[node_id] = getattr(entry, "outputs", entry)
     return {"success": executor.success, "messages": executor.status_messages,

@@ -34,7 +34,15 @@ def mods(pack_module):
         tglue = pack_module("nodes.train_glue")
         tdata = pack_module("nodes.train_data")
         grad = pack_module("training.grad")
+        compat = pack_module("nodes.comfy_compat")
         Settings = pack_module("training.settings").TrainSettings
+
+        @staticmethod
+        @contextlib.contextmanager
+        def autograd():
+            """As the training session does: autograd on, ComfyUI's model code differentiable."""
+            with M.grad.autograd_enabled(), M.compat.model_gradients():
+                yield
     return M
 
 
@@ -60,7 +68,7 @@ def _problem(mods, family: str):
         p.requires_grad_(False)
     params = [p for n, p in dm.named_parameters() if n.startswith(TRAINED)]
     width = 32 if family == "flux1" else 64
-    with mods.grad.autograd_enabled():
+    with mods.autograd():
         latent = make_latent(model, 1, width=width, height=width)
         sample = mods.tdata.build_samples(model, [latent], [make_conditioning(model, 1)], None, torch.device("cpu"))[0]
         fns = mods.tglue.model_fns(model, None, mods.Settings(), torch.device("cpu"))
@@ -150,7 +158,7 @@ def test_flux_gradients_match_float64_reference(mods, family):
     model, params, loss = _problem(mods, family)
     dm = model.model.diffusion_model
     names = [n for n, p in dm.named_parameters() if n.startswith(TRAINED)]
-    with mods.grad.autograd_enabled():
+    with mods.autograd():
         gen = torch.Generator().manual_seed(1)
         directions = [[torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params] for _ in range(3)]
         reference = [_forward_ad(dm, names, params, loss, d) for d in directions]
@@ -170,7 +178,7 @@ def test_builtin_style_checkpointing_does_not_give_the_reference(mods):
     model, params, loss = _problem(mods, "flux1")
     dm = model.model.diffusion_model
     names = [n for n, p in dm.named_parameters() if n.startswith(TRAINED)]
-    with mods.grad.autograd_enabled():
+    with mods.autograd():
         direction = [torch.randn(p.shape, generator=torch.Generator().manual_seed(2), dtype=p.dtype) for p in params]
         reference = _forward_ad(dm, names, params, loss, direction)
         try:
@@ -185,7 +193,7 @@ def test_trainer_wraps_flux_forward_in_the_fix(mods):
     """model_fns(...).predict on Flux runs apply_model under clone_saved_tensors (else backward raises)."""
     model, params, _ = _problem(mods, "flux1")
     fns = mods.tglue.model_fns(model, None, mods.Settings(), torch.device("cpu"))
-    with mods.grad.autograd_enabled():
+    with mods.autograd():
         x = torch.randn(1, 16, 4, 4, dtype=torch.float64)
         sigma = torch.tensor([0.5], dtype=torch.float64)
         from models import make_conditioning as mc
@@ -204,7 +212,7 @@ def test_cosmos_checkpointing_without_copies_gives_the_same_gradients(mods):
         p.requires_grad_(False)
     params = [p for n, p in dm.named_parameters() if n.startswith("blocks.") and n.endswith("weight")]
     fns = mods.tglue.model_fns(model, None, mods.Settings(), torch.device("cpu"))
-    with mods.grad.autograd_enabled():
+    with mods.autograd():
         latent = make_latent(model, 1, width=32, height=32)
         sample = mods.tdata.build_samples(model, [latent], [make_conditioning(model, 1)], None, torch.device("cpu"))[0]
         x = sample.latent[None].double()

@@ -1,0 +1,189 @@
+"""Every difference between the ComfyUI versions the pack supports, in one module.
+
+The rest of the pack reads as if there were one ComfyUI. Supported: 0.3.75 (the oldest, the last release
+before comfy-kitchen) up to the 0.33 series; both ends are tested (``scripts/test.sh``). What differs:
+
+- **Version gate.** Older than 0.3.75: the V3 node API and the attention override this pack relies on
+  are missing or different, so ``check_supported`` refuses to load with the supported range instead of
+  failing deep inside a node. Newer than the newest tested: a one-time warning, then the pack loads.
+- **Differentiable model code while training.** ComfyUI 0.30+ routes rotary embeddings through fused
+  comfy-kitchen ops that have no autograd formula (Cosmos-Predict2 / Anima always, Flux unless
+  ``comfy.model_management.in_training``), and the Flux kernel rejects float64. ``model_gradients()``
+  sets ``in_training`` and routes those ops to comfy-kitchen's own plain-PyTorch implementations while
+  gradients (or float64) are involved, and only then: inference keeps the fused kernels. Everything it
+  changes is restored on exit, on error and on interrupt alike.
+- **Flux config.** ``FluxParams`` gained a required ``txt_ids_dims`` (0.4+); 0.3.75 rejects the key.
+  ``fit_flux_config`` writes exactly the keys the running version accepts.
+- **Attention backends without a backward.** 0.33 added ``attention3_sage`` and
+  ``attention_comfy_kitchen_int8`` beside ``attention_sage`` / ``attention_flash``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+import comfy.model_management as mm
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (0, 3, 75)
+NEWEST_TESTED = (0, 33, 0)
+SUPPORTED_TEXT = "ComfyUI 0.3.75 up to 0.33.x (tested: 0.3.75 and 0.33.0)"
+# ComfyUI attention functions (by __name__) whose gradients do not work: sage and sage3 have no backward
+# (gradients silently stop), flash is a custom op without an autograd formula, the int8 kernel has none.
+NO_BACKWARD_ATTENTION = ("attention_sage", "attention3_sage", "attention_flash", "attention_comfy_kitchen_int8")
+# comfy-kitchen ops that the model code calls and that have no autograd formula; each has a plain-PyTorch
+# twin of the same name in comfy_kitchen.backends.eager.rope.
+KITCHEN_ROPE_OPS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1",
+                    "rms_rope", "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1")
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """"0.33.0" -> (0, 33, 0); extra parts or suffixes ("0.3.75rc1") are ignored."""
+    parts = [int(m) for m in re.findall(r"\d+", text)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+
+
+def comfyui_version() -> tuple[int, int, int]:
+    """The running ComfyUI's version from its ``comfyui_version`` module ((0, 0, 0) if it has none)."""
+    try:
+        import comfyui_version
+    except ImportError:
+        return (0, 0, 0)
+    return parse_version(getattr(comfyui_version, "__version__", "0.0.0"))
+
+
+_warned_newer = False
+
+
+def check_supported(version: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """Refuse an older ComfyUI with a message naming the supported versions; warn once for a newer one."""
+    global _warned_newer
+    version = comfyui_version() if version is None else version
+    shown = ".".join(map(str, version))
+    if version < MIN_VERSION:
+        raise RuntimeError(f"[Precision LoRA] this pack supports {SUPPORTED_TEXT}; this ComfyUI is {shown}. "
+                           "Update ComfyUI (git pull, or the portable build's update script) and restart.")
+    if version[:2] > NEWEST_TESTED[:2] and not _warned_newer:
+        _warned_newer = True
+        log.warning("[Precision LoRA] ComfyUI %s is newer than the newest version this pack was tested on (%s); "
+                    "if a node fails, report it with this line", shown, SUPPORTED_TEXT)
+    return version
+
+
+# ---- Flux config -------------------------------------------------------------------------------
+
+def fit_flux_config(config: dict) -> dict:
+    """``config`` with only the keys this ComfyUI's FluxParams accepts, plus the required ones it lacks
+    (``txt_ids_dims``: [] for Flux.1, [3] for Flux.2, as ComfyUI's own detection sets them)."""
+    from comfy.ldm.flux.model import FluxParams
+
+    fields = {f.name: f for f in dataclasses.fields(FluxParams)}
+    out = {k: v for k, v in config.items() if k in fields or k == "image_model"}
+    if "txt_ids_dims" in fields and "txt_ids_dims" not in out:
+        out["txt_ids_dims"] = [3] if config.get("image_model") == "flux2" else []
+    return out
+
+
+# ---- gradients through the model's own code -----------------------------------------------------
+
+def _needs_plain_path(args: tuple, kwargs: dict) -> bool:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(t.dtype == torch.float64 for t in tensors):
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _KitchenRouter:
+    """Stands in for the ``comfy_kitchen`` module inside ``comfy.quant_ops`` while the pack trains:
+    the rotary ops go to comfy-kitchen's plain-PyTorch implementation when gradients or float64 are
+    involved, to the fused kernel otherwise; every other attribute is the module's own."""
+
+    def __init__(self, kitchen: Any, plain: Any) -> None:
+        self._kitchen, self._plain = kitchen, plain
+
+    def __getattr__(self, name: str) -> Any:
+        fused = getattr(self._kitchen, name)
+        if name not in KITCHEN_ROPE_OPS or not hasattr(self._plain, name):
+            return fused
+        plain = getattr(self._plain, name)
+
+        def route(*args: Any, **kwargs: Any) -> Any:
+            return (plain if _needs_plain_path(args, kwargs) else fused)(*args, **kwargs)
+
+        return route
+
+
+def _kitchen_holder() -> tuple[Any, Any] | None:
+    """(comfy.quant_ops module, comfy-kitchen's plain-PyTorch rope module) where ComfyUI uses
+    comfy-kitchen, else None (0.3.75)."""
+    try:
+        import comfy.quant_ops as quant_ops
+        from comfy_kitchen.backends.eager import rope as plain
+    except ImportError:
+        return None
+    return (quant_ops, plain) if hasattr(quant_ops, "ck") else None
+
+
+_depth = 0
+_saved: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def _enter() -> None:
+    global _depth
+    with _lock:
+        _depth += 1
+        if _depth > 1:
+            return
+        if hasattr(mm, "in_training"):
+            _saved["in_training"] = mm.in_training
+            mm.in_training = True
+        holder = _kitchen_holder()
+        if holder is not None:
+            quant_ops, plain = holder
+            _saved["ck"] = quant_ops.ck
+            quant_ops.ck = _KitchenRouter(quant_ops.ck, plain)
+
+
+def _exit() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth > 0:
+            return
+        if "in_training" in _saved:
+            mm.in_training = _saved.pop("in_training")
+        if "ck" in _saved:
+            import comfy.quant_ops as quant_ops
+
+            quant_ops.ck = _saved.pop("ck")
+
+
+@contextlib.contextmanager
+def model_gradients() -> Iterator[None]:
+    """While the body runs, ComfyUI's model code is differentiable (and float64-capable) on every
+    supported version; on exit (normal, error or interrupt) every global it set is restored. Nests."""
+    _enter()
+    try:
+        yield
+    finally:
+        _exit()
+
+
+def globals_snapshot() -> dict[str, Any]:
+    """The ComfyUI globals ``model_gradients`` touches, for tests that check they are restored."""
+    holder = _kitchen_holder()
+    return {"in_training": getattr(mm, "in_training", None),
+            "ck": None if holder is None else holder[0].ck}
+
+
+def has_backward(func: Callable[..., Any]) -> bool:
+    """False for ComfyUI attention functions whose gradients do not work (see NO_BACKWARD_ATTENTION)."""
+    return getattr(func, "__name__", "") not in NO_BACKWARD_ATTENTION
