@@ -9,7 +9,11 @@ __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]
 
 
 async def comfy_entrypoint():
-    # Imported lazily: nodes/ is the only package that imports ComfyUI.
+    # Imported lazily: nodes/ is the only package that imports ComfyUI. The version gate comes first, so an
+    # unsupported ComfyUI gets the supported versions instead of an import error from deep inside.
+    from .nodes.comfy_compat import check_supported
+
+    check_supported()
     from .nodes.extension import PrecisionLoRAExtension
 
     return PrecisionLoRAExtension()

