@@ -7,6 +7,7 @@ import math
 from ..attention.backends import BACKENDS, available
 from ..attention.config import AUTO_BACKEND, SCALE_MODES, STABLE_BETA_RANGE, AttentionConfig
 from .attention_glue import patch_attention
+from .checks import PrecisionNode
 from .comfy_io import io
 from .model_info import describe_model
 
@@ -17,21 +18,27 @@ DEFAULTS = AttentionConfig()
 BACKEND_OPTIONS = [AUTO_BACKEND, *BACKENDS]
 
 
+def config_problem(cfg: AttentionConfig) -> str | None:
+    """Why ``cfg`` cannot be applied here (invalid, or its backend is not installed), with the fix; or None."""
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        return str(exc)
+    reason = None if cfg.backend == AUTO_BACKEND else available()[cfg.backend]
+    if reason is not None:
+        usable = ", ".join([AUTO_BACKEND] + [n for n, r in available().items() if r is None])
+        return f"backend={cfg.backend!r} is unavailable here: {reason}; usable backends: {usable}"
+    return None
+
+
 def build_config(backend: str, scale_mode: str, scale_value: float, stable_beta: float, softclamp: float,
                  fp32_softmax: bool) -> AttentionConfig:
     """The node's inputs as a validated AttentionConfig; ValueError names the node, input, value and fix."""
     cfg = AttentionConfig(backend=backend, scale_mode=scale_mode, scale_value=scale_value,
                           stable_beta=stable_beta, softclamp=softclamp, fp32_softmax=fp32_softmax)
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        raise ValueError(f"[Precision LoRA] {NODE}: {exc}") from None
-    if backend != AUTO_BACKEND:
-        reason = available()[backend]
-        if reason is not None:
-            usable = ", ".join([AUTO_BACKEND] + [n for n, r in available().items() if r is None])
-            raise ValueError(f"[Precision LoRA] {NODE}: backend={backend!r} is unavailable here: {reason}; "
-                             f"usable backends: {usable}")
+    problem = config_problem(cfg)
+    if problem is not None:
+        raise ValueError(f"[Precision LoRA] {NODE}: {problem}")
     return cfg
 
 
@@ -58,7 +65,9 @@ def describe_patch(cfg: AttentionConfig, head_dim: int | None) -> str:
     return "\n".join(lines)
 
 
-class PrecisionPatchAttention(io.ComfyNode):
+class PrecisionPatchAttention(PrecisionNode):
+    NODE = NODE
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         lo, hi = STABLE_BETA_RANGE
@@ -97,15 +106,13 @@ class PrecisionPatchAttention(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend: str = DEFAULTS.backend, scale_mode: str = DEFAULTS.scale_mode,
-                        scale_value: float = DEFAULTS.scale_value, stable_beta: float = DEFAULTS.stable_beta,
-                        softclamp: float = DEFAULTS.softclamp, fp32_softmax: bool = DEFAULTS.fp32_softmax,
-                        **_: object) -> bool | str:
-        try:
-            build_config(backend, scale_mode, scale_value, stable_beta, softclamp, fp32_softmax)
-        except ValueError as exc:
-            return str(exc)
-        return True
+    def check(cls, values: dict) -> str | None:
+        """Option combinations (softclamp needs math/stable, ...) and backend availability; ranges and
+        options of single inputs are the gate's (PrecisionNode)."""
+        names = ("backend", "scale_mode", "scale_value", "stable_beta", "softclamp", "fp32_softmax")
+        if any(values.get(n) is None for n in names):
+            return None  # a linked input: checked again when the node runs
+        return config_problem(AttentionConfig(**{n: values[n] for n in names}))
 
     @classmethod
     def execute(cls, model, backend: str, scale_mode: str, scale_value: float, stable_beta: float,

@@ -16,6 +16,7 @@ from ..training.lora_file import KEY_STYLES, SAVE_DTYPES, default_key_style, lor
 from ..training.targets import preset_names
 from . import lora_glue as glue
 from .train_glue import checkpoint_dir
+from .checks import PrecisionNode
 from .types import TrainingStateType
 from .comfy_io import io
 
@@ -34,19 +35,11 @@ def _err(node: str, message: str) -> ValueError:
     return ValueError(f"[Precision LoRA] {node}: {message}")
 
 
-def _check_choices(node: str, values: dict[str, object], choices: dict[str, list[str]]) -> str | None:
-    """Message for the first combo input whose value is not an option (ComfyUI does not check V3 combos)."""
-    for name, value in values.items():
-        if value is not None and value not in choices[name]:
-            return f"{node}: {name}={value!r} is not an option; choose one of {choices[name]}"
-    return None
-
-
 def _float(name: str, default: float, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
     return io.Float.Input(name, default=default, min=lo, max=hi, step=step, tooltip=tip)
 
 
-class PrecisionAttachLoRA(io.ComfyNode):
+class PrecisionAttachLoRA(PrecisionNode):
     NODE = "PrecisionAttachLoRA"
 
     @classmethod
@@ -83,17 +76,16 @@ class PrecisionAttachLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, targets=None, include=None, exclude=None, blocks=None, param_dtype=None,
-                        init_lora=None) -> bool | str:
-        if None in (targets, include, exclude, blocks, param_dtype):
-            return True
+    def check(cls, values: dict) -> str | None:
+        """Regexes, block filter and preset name need no model: checked here, before anything runs."""
+        names = ("targets", "include", "exclude", "blocks", "param_dtype")
+        if any(values.get(n) is None for n in names):
+            return None  # a linked input: checked again when the node runs
         try:
-            LoRAConfig(targets=targets, include=include, exclude=exclude, blocks=blocks, param_dtype=param_dtype).validate()
+            LoRAConfig(**{n: values[n] for n in names}).validate()
         except ValueError as e:
-            return f"{cls.NODE}: {e}"
-        if init_lora not in (None, NONE) and init_lora not in _loras():
-            return f"{cls.NODE}: init_lora {init_lora!r} is not in models/loras; put the file there and refresh"
-        return True
+            return str(e).replace("[Precision LoRA] ", "")
+        return None
 
     @classmethod
     def execute(cls, model, rank, alpha, targets, include, exclude, blocks, fp32_accumulation, dropout, rank_dropout,
@@ -115,8 +107,9 @@ class PrecisionAttachLoRA(io.ComfyNode):
         return io.NodeOutput(patched, f"{len(plan)} layers, {n_params:,} parameters\n{listing}")
 
 
-class PrecisionSaveLoRA(io.ComfyNode):
+class PrecisionSaveLoRA(PrecisionNode):
     NODE = "PrecisionSaveLoRA"
+    FILE_NAME_INPUTS = {"filename_prefix": (True, False)}
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -145,13 +138,6 @@ class PrecisionSaveLoRA(io.ComfyNode):
             outputs=[io.String.Output(display_name="path", tooltip="Absolute path of the written LoRA file.")],
             is_output_node=True, not_idempotent=True,
         )
-
-    @classmethod
-    def validate_inputs(cls, filename_prefix=None, folder=None, save_dtype=None, key_style=None) -> bool | str:
-        choices = {"folder": list(glue.SAVE_FOLDERS), "save_dtype": list(SAVE_DTYPES), "key_style": ["auto", *KEY_STYLES]}
-        bad = _check_choices(cls.NODE, {"folder": folder, "save_dtype": save_dtype, "key_style": key_style}, choices)
-        reason = None if filename_prefix is None else glue.check_prefix(filename_prefix)
-        return bad or (True if reason is None else f"{cls.NODE}: {reason}")
 
     @classmethod
     def execute(cls, model, filename_prefix, folder, save_dtype, key_style, use_counter, overwrite,
@@ -207,7 +193,7 @@ def _state_mismatch(lora_set, state) -> str | None:
     return None
 
 
-class PrecisionLoadLoRA(io.ComfyNode):
+class PrecisionLoadLoRA(PrecisionNode):
     NODE = "PrecisionLoadLoRA"
 
     @classmethod
@@ -234,19 +220,6 @@ class PrecisionLoadLoRA(io.ComfyNode):
             outputs=[io.Model.Output(display_name="model", tooltip="The model with the LoRA (and attention settings)."),
                      io.String.Output(display_name="info", tooltip="What was applied.")],
         )
-
-    @classmethod
-    def validate_inputs(cls, lora_name=None, mode=None, attention=None, override_backend=None,
-                        override_scale_mode=None) -> bool | str:
-        choices = {"mode": list(glue.LOAD_MODES), "attention": list(glue.ATTENTION_POLICIES),
-                   "override_backend": ["auto", *BACKENDS], "override_scale_mode": list(SCALE_MODES)}
-        bad = _check_choices(cls.NODE, {"mode": mode, "attention": attention, "override_backend": override_backend,
-                                        "override_scale_mode": override_scale_mode}, choices)
-        if bad:
-            return bad
-        if lora_name is not None and lora_name not in _loras():
-            return f"{cls.NODE}: lora_name {lora_name!r} is not in models/loras; put the file there and refresh"
-        return True
 
     @classmethod
     def fingerprint_inputs(cls, lora_name=None, **_: object) -> object:

@@ -20,6 +20,7 @@ import torch
 from ..training.lora import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
 from ..training.lora_file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
                                   read_lora_file)
+from ..training.checks import name_problem, show
 from ..training.targets import select_targets
 from .model_info import describe_model
 
@@ -243,18 +244,6 @@ def save_folder(folder: str) -> str:
     raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: folder={folder!r} is unknown: use one of {list(SAVE_FOLDERS)}")
 
 
-def check_prefix(prefix: str) -> str | None:
-    """Why ``prefix`` is refused (absolute, '..', empty), or None when it stays inside the folder."""
-    norm = prefix.replace("\\", "/").strip()
-    if not norm or norm.endswith("/"):
-        return f"filename_prefix={prefix!r} has no file name: give a name such as 'my_lora' or 'sub/my_lora'"
-    if norm.startswith("/") or (len(norm) > 1 and norm[1] == ":"):
-        return f"filename_prefix={prefix!r} is an absolute path: give a name relative to the target folder"
-    if any(part == ".." for part in norm.split("/")):
-        return f"filename_prefix={prefix!r} contains '..' and would escape the target folder: remove the '..'"
-    return None
-
-
 def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
     """File path for a new LoRA: ``<prefix>_00001_.safetensors`` with ComfyUI's counter, or ``<prefix>.safetensors``.
 
@@ -262,9 +251,9 @@ def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
     """
     import folder_paths
 
-    reason = check_prefix(prefix)
+    reason = name_problem(prefix, subfolders=True)
     if reason:
-        raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: {reason}")
+        raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: input 'filename_prefix'={show(prefix)} {reason}")
     base = save_folder(folder)
     os.makedirs(base, exist_ok=True)
     prefix = prefix.replace("\\", "/").strip()

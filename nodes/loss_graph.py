@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from .comfy_io import io, ui
 from ..training.files import atomic_write
+from .checks import PrecisionNode
+from .comfy_io import io, ui
 from .types import LossMapType
 
 NODE = "PrecisionLossGraph"
@@ -104,7 +105,10 @@ def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], pre
     return os.path.basename(base + ".png"), subfolder, base + ".png"
 
 
-class PrecisionLossGraph(io.ComfyNode):
+class PrecisionLossGraph(PrecisionNode):
+    NODE = NODE
+    FILE_NAME_INPUTS = {"filename_prefix": (True, False)}
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -128,8 +132,6 @@ class PrecisionLossGraph(io.ComfyNode):
     def execute(cls, loss, smoothing: float, log_scale: bool, width: int, height: int,
                 filename_prefix: str) -> io.NodeOutput:
         losses = finite_losses(loss)
-        if not 0.0 <= smoothing < 1.0:
-            raise _err(f"input 'smoothing'={smoothing!r} must be in [0, 1)")
         img = draw_curve(losses, smoothing, log_scale, width, height)
         name, subfolder, _ = save_curve(img, losses, smooth(losses, smoothing), filename_prefix)
         tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]

@@ -6,6 +6,7 @@ import math
 
 from ..training.probe_math import summarize
 from ..training.probe_report import format_report
+from .checks import PrecisionNode
 from .comfy_io import io, ui
 from .probe_chart import draw_probe_chart
 from .probe_glue import ProbeResult, probe_model
@@ -34,7 +35,9 @@ def _check(latent, conditioning) -> None:
                          "CONDITIONING (or PrecisionDemoConditioning)")
 
 
-class PrecisionProbe(io.ComfyNode):
+class PrecisionProbe(PrecisionNode):
+    NODE = NODE
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -60,15 +63,6 @@ class PrecisionProbe(io.ComfyNode):
             outputs=[io.String.Output(display_name="report"), io.Image.Output(display_name="chart")],
             is_output_node=True,
         )
-
-    @classmethod
-    def validate_inputs(cls, noise_level: float = 0.5, max_rows: int = 256, **_: object) -> bool | str:
-        if not NOISE_RANGE[0] <= noise_level <= NOISE_RANGE[1]:
-            return (f"{NODE}: noise_level={noise_level!r} is out of range; use a value in "
-                    f"[{NOISE_RANGE[0]}, {NOISE_RANGE[1]}]")
-        if not ROWS_RANGE[0] <= max_rows <= ROWS_RANGE[1]:
-            return f"{NODE}: max_rows={max_rows!r} is out of range; use {ROWS_RANGE[0]}..{ROWS_RANGE[1]}"
-        return True
 
     @classmethod
     def execute(cls, model, latent, conditioning, noise_level: float, seed: int, max_rows: int) -> io.NodeOutput:

@@ -10,6 +10,7 @@ import hashlib
 
 import torch
 
+from .checks import PrecisionNode
 from .comfy_io import io
 
 
@@ -63,7 +64,9 @@ def make_latent(model, width: int = 64, height: int = 64, batch: int = 1, seed: 
     return {"samples": samples}
 
 
-class PrecisionDemoConditioning(io.ComfyNode):
+class PrecisionDemoConditioning(PrecisionNode):
+    NODE = "PrecisionDemoConditioning"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -87,7 +90,9 @@ class PrecisionDemoConditioning(io.ComfyNode):
         return io.NodeOutput(make_conditioning(model, text, seed, tokens))
 
 
-class PrecisionDemoLatent(io.ComfyNode):
+class PrecisionDemoLatent(PrecisionNode):
+    NODE = "PrecisionDemoLatent"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -131,7 +136,9 @@ def latent_to_preview(samples: torch.Tensor, upscale: int = 8) -> torch.Tensor:
     return x.movedim(1, -1).contiguous()
 
 
-class PrecisionDemoPreview(io.ComfyNode):
+class PrecisionDemoPreview(PrecisionNode):
+    NODE = "PrecisionDemoPreview"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(

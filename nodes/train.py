@@ -14,6 +14,7 @@ from ..training import optim, sampling
 from ..training.checkpoint import TrainingState, load_state
 from ..training.loop import Hooks, StepReport, train
 from ..training.settings import NAN_POLICIES, TrainSettings
+from .checks import PrecisionNode
 from .comfy_io import io
 from .train_data import build_samples
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
@@ -83,7 +84,9 @@ def _settings_inputs() -> list:
     ]
 
 
-class PrecisionTrainSettings(io.ComfyNode):
+class PrecisionTrainSettings(PrecisionNode):
+    NODE = "PrecisionTrainSettings"
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -95,16 +98,31 @@ class PrecisionTrainSettings(io.ComfyNode):
         )
 
     @classmethod
+    def check(cls, values: dict) -> str | None:
+        """Rules across inputs (warmup vs schedule, ...) and whether the optimizer is installed."""
+        if any(values.get(f) is None for f in D.to_dict()):
+            return None  # a linked input: checked again when the node runs
+        return settings_problem(TrainSettings(**{f: values[f] for f in D.to_dict()}))
+
+    @classmethod
     def execute(cls, **kwargs: Any) -> io.NodeOutput:
         settings = TrainSettings(**kwargs)
-        try:
-            settings.validate()
-            reason = optim.available()[settings.optimizer]
-            if reason is not None:
-                raise ValueError(f"optimizer={settings.optimizer!r} is {reason}, or choose 'adamw'")
-        except ValueError as exc:
-            raise _node_error("PrecisionTrainSettings", exc) from exc
+        problem = settings_problem(settings)
+        if problem is not None:
+            raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: {problem}")
         return io.NodeOutput(settings)
+
+
+def settings_problem(settings: TrainSettings) -> str | None:
+    """Why ``settings`` cannot train here (invalid, or the optimizer is not installed), with the fix; or None."""
+    try:
+        settings.validate()
+    except ValueError as exc:
+        return str(exc).replace("[Precision LoRA] ", "", 1)
+    reason = optim.available()[settings.optimizer]
+    if reason is not None:
+        return f"input 'optimizer'={settings.optimizer!r} is {reason}, or choose 'adamw'"
+    return None
 
 
 def _send(event: str, data: dict) -> None:
@@ -147,7 +165,10 @@ def _flat(value: Any, default: Any = None) -> Any:
     return value[0] if isinstance(value, list) and value else default
 
 
-class PrecisionTrainLoRA(io.ComfyNode):
+class PrecisionTrainLoRA(PrecisionNode):
+    NODE = "PrecisionTrainLoRA"
+    FILE_NAME_INPUTS = {"name": (False, False), "resume_from": (False, True)}
+
     # Bumped whenever a run ends early on Stop: ComfyUI must not serve that partial result from its cache
     # when the same graph is queued again (an unchanged graph that finished normally stays cached).
     stopped_runs = 0
@@ -155,6 +176,20 @@ class PrecisionTrainLoRA(io.ComfyNode):
     @classmethod
     def fingerprint_inputs(cls, **_: Any) -> int:
         return PrecisionTrainLoRA.stopped_runs
+
+    @classmethod
+    def check(cls, values: dict) -> str | None:
+        resume = values.get("resume_from") or ""
+        if not resume.strip():
+            return None
+        if values.get("training_state") is not None:
+            return (f"input 'resume_from'={resume!r} and input 'training_state' are both set; "
+                    "clear resume_from or disconnect training_state")
+        try:
+            resolve_resume(resume.strip())
+        except ValueError as exc:
+            return str(exc).replace("[Precision LoRA] PrecisionTrainLoRA: ", "", 1)
+        return None
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -194,9 +229,6 @@ class PrecisionTrainLoRA(io.ComfyNode):
         state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
         try:
             cfg.validate()
-            _check_name(name)
-            if state is not None and resume:
-                raise ValueError("input 'resume_from' and input 'training_state' are both set; use one of them")
         except ValueError as exc:
             raise _node_error("PrecisionTrainLoRA", exc) from exc
         if resume:
@@ -224,12 +256,6 @@ class PrecisionTrainLoRA(io.ComfyNode):
             mm.interrupt_current_processing(False)
             raise mm.InterruptProcessingException()
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
-
-
-def _check_name(name: str) -> None:
-    bad = [c for c in ("/", "\\", "..", "\x00") if c in name]
-    if not name.strip() or bad:
-        raise ValueError(f"input 'name'={name!r} must be a plain file-name prefix (no {bad or 'empty name'})")
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,

@@ -29,13 +29,17 @@ def show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
 
 
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
 def _bounds(lo: float | None, hi: float | None) -> str:
     if lo is not None and hi is not None:
-        return f"use a value in [{lo:g}, {hi:g}]"
+        return f"use a value in [{_num(lo)}, {_num(hi)}]"
     if lo is not None:
-        return f"use a value >= {lo:g}"
+        return f"use a value >= {_num(lo)}"
     if hi is not None:
-        return f"use a value <= {hi:g}"
+        return f"use a value <= {_num(hi)}"
     return "use a finite number"
 
 
@@ -51,9 +55,9 @@ def number_problem(value: object, lo: float | None = None, hi: float | None = No
     if integer and not isinstance(value, int):
         return f"is not an integer; {fix}"
     if lo is not None and value < lo:
-        return f"is below the minimum {lo:g}; {fix}"
+        return f"is below the minimum {_num(lo)}; {fix}"
     if hi is not None and value > hi:
-        return f"is above the maximum {hi:g}; {fix}"
+        return f"is above the maximum {_num(hi)}; {fix}"
     return None
 
 

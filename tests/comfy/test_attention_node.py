@@ -44,15 +44,18 @@ GOOD = dict(backend="auto", scale_mode="multiplier", scale_value=2.0, stable_bet
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        ({"backend": "warp"}, "backend='warp' is unknown; choose one of auto, sdpa, math, stable, flash, sage, xformers"),
+        ({"backend": "warp"}, "input 'backend'='warp' is not an option; choose one of ['auto', 'sdpa', 'math', 'stable'"),
         ({"backend": "flash"}, "backend='flash' is unavailable here: package 'flash-attn' is not installed"),
         ({"backend": "xformers"}, "package 'xformers' is not installed (pip install xformers)"),
         ({"scale_value": 0.0}, "scale_value=0.0 is invalid for scale_mode='multiplier'"),
-        ({"scale_value": float("nan")}, "scale_value=nan is invalid"),
-        ({"scale_value": float("inf")}, "scale_value=inf is invalid"),
-        ({"softclamp": -2.0, "backend": "math"}, "softclamp=-2.0 is invalid; use 0 (off)"),
+        ({"scale_value": float("nan")}, "input 'scale_value'=nan is not a finite number; use a value in [0, 100]"),
+        ({"scale_value": float("inf")}, "input 'scale_value'=inf is not a finite number"),
+        # D4 (issue 13): validate_inputs(**_) made ComfyUI skip min/max for every input of this node
+        ({"scale_value": 150.0}, "input 'scale_value'=150.0 is above the maximum 100; use a value in [0, 100]"),
+        ({"scale_value": "abc"}, "input 'scale_value'='abc' is not a number (got str)"),
+        ({"softclamp": -2.0, "backend": "math"}, "input 'softclamp'=-2.0 is below the minimum 0"),
         ({"softclamp": 30.0}, "choose backend math or stable, or set softclamp to 0"),
-        ({"stable_beta": 12.0}, "stable_beta=12.0 is out of range"),
+        ({"stable_beta": 12.0}, "input 'stable_beta'=12.0 is above the maximum 8"),
     ],
 )
 def test_validate_inputs_names_node_input_value_and_fix(node, change, fragment):
@@ -83,5 +86,8 @@ def test_execute_patches_a_clone_and_reports_the_resolved_scale(node, pure):
 def test_execute_raises_the_same_clear_error_when_validation_is_skipped(node):
     from models import tiny_flux1
 
-    with pytest.raises(ValueError, match=r"\[Precision LoRA\] PrecisionPatchAttention: scale_value=-1.0 is invalid"):
+    with pytest.raises(ValueError, match=r"\[Precision LoRA\] PrecisionPatchAttention: input 'scale_value'=-1.0 is "
+                                         r"below the minimum 0; use a value in \[0, 100\]"):
         node.execute(tiny_flux1(), **{**GOOD, "scale_value": -1.0})
+    with pytest.raises(ValueError, match=r"PrecisionPatchAttention: scale_value=0.0 is invalid for scale_mode"):
+        node.execute(tiny_flux1(), **{**GOOD, "scale_value": 0.0})

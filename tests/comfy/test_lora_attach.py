@@ -118,9 +118,9 @@ def test_attach_node_dry_run_and_errors(pack):
     out = node.execute(base, **args)
     assert out.result[0] is base
     assert out.result[1].splitlines()[1:] == ["single_blocks.0.linear1  (64 -> 448)", "single_blocks.0.linear2  (320 -> 64)"]
-    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionAttachLoRA: LoRAConfig.alpha=0.0 is invalid"):
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionAttachLoRA: input 'alpha'=0.0 is below the minimum"):
         node.execute(base, **{**args, "alpha": 0.0})
     with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionAttachLoRA: no module matches"):
         node.execute(base, **{**args, "blocks": "single_blocks:5"})
     assert node.validate_inputs(targets="attention", include="(", exclude="", blocks="", param_dtype="fp32").startswith(
-        "PrecisionAttachLoRA: [Precision LoRA] include regex '(' is invalid")
+        "[Precision LoRA] PrecisionAttachLoRA: include regex '(' is invalid")

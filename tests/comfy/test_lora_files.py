@@ -151,8 +151,8 @@ def test_save_naming_counter_overwrite_and_escape(glue, cfg_cls):
         save(model, "names/fixed", use_counter=False)
     assert save(model, "names/fixed", use_counter=False, overwrite=True) == fixed
     before = sorted(os.listdir(os.path.dirname(loras_dir())))
-    for bad, why in (("../escape", "contains '..'"), ("/tmp/abs", "is an absolute path"), ("dir/", "has no file name")):
-        with pytest.raises(ValueError, match=rf"PrecisionSaveLoRA: filename_prefix='{bad}' {why}"):
+    for bad, why in (("../escape", "contains '..'"), ("/tmp/abs", "is an absolute path"), ("dir/", "ends with a folder separator and has no file name")):
+        with pytest.raises(ValueError, match=rf"PrecisionSaveLoRA: input 'filename_prefix'='{bad}' {why}"):
             save(model, bad)
         assert why in node("PrecisionSaveLoRA").validate_inputs(filename_prefix=bad)
     assert sorted(os.listdir(os.path.dirname(loras_dir()))) == before

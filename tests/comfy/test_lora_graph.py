@@ -72,15 +72,15 @@ def test_save_node_refuses_escaping_prefix_in_validation(model_name):
                                                             "folder": "output", "save_dtype": "fp32", "key_style": "auto",
                                                             "use_counter": True, "overwrite": False}},
     }
-    with pytest.raises(AssertionError, match=r"PrecisionSaveLoRA: filename_prefix='\.\./\.\./evil' contains '\.\.'"):
+    with pytest.raises(AssertionError, match=r"PrecisionSaveLoRA: input 'filename_prefix'='\.\./\.\./evil' contains '\.\.'"):
         comfy_harness.run_graph(prompt)
 
 
 def test_combo_values_are_checked_with_node_and_input_names(pack):
     save, load = comfy_harness.node_class("PrecisionSaveLoRA"), comfy_harness.node_class("PrecisionLoadLoRA")
     assert save.validate_inputs(filename_prefix="ok", folder="models", save_dtype="fp32", key_style="auto") == (
-        "PrecisionSaveLoRA: folder='models' is not an option; choose one of ['loras', 'output']")
+        "[Precision LoRA] PrecisionSaveLoRA: input 'folder'='models' is not an option; choose one of ['loras', 'output']")
     assert save.validate_inputs(filename_prefix="ok", folder="loras", save_dtype="fp32", key_style="kohya") is True
-    assert load.validate_inputs(mode="bf16").startswith("PrecisionLoadLoRA: mode='bf16' is not an option")
+    assert load.validate_inputs(mode="bf16").startswith("[Precision LoRA] PrecisionLoadLoRA: input 'mode'='bf16' is not an option")
     assert load.validate_inputs(lora_name="missing.safetensors", mode="fp32", attention="ignore").startswith(
-        "PrecisionLoadLoRA: lora_name 'missing.safetensors' is not in models/loras")
+        "[Precision LoRA] PrecisionLoadLoRA: input 'lora_name'='missing.safetensors' is not an option")

@@ -147,9 +147,13 @@ def test_probe_node_in_graph_reports_text_ui_and_chart(pack):
 
 
 def test_probe_validate_inputs_names_input_and_range(pack):
+    """D4 (issue 13): validate_inputs(**_) made ComfyUI skip min/max of every Probe input (seed=-1 was
+    accepted) and noise_level='abc' raised a TypeError inside validation."""
     node = node_class("PrecisionProbe")
     message = node.validate_inputs(noise_level=1.5, max_rows=256)
-    assert "noise_level=1.5" in message and "[0.01, 0.99]" in message
+    assert "input 'noise_level'=1.5 is above the maximum 0.99; use a value in [0.01, 0.99]" in message
+    assert "input 'seed'=-1 is below the minimum 0" in node.validate_inputs(noise_level=0.5, seed=-1, max_rows=256)
+    assert "input 'noise_level'='abc' is not a number" in node.validate_inputs(noise_level="abc")
     assert node.validate_inputs(noise_level=0.5, max_rows=256) is True
 
 

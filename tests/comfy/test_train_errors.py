@@ -48,9 +48,13 @@ CASES = [
     ("wrong latent shape", {"latents": [{"samples": torch.randn(1, 16, 4, 4)}]},
      r"latent 0 has shape \(1, 16, 4, 4\) but this model \(cosmos_predict2\) expects \(B, C, T, H, W\) with C=16"),
     ("no lora", {"model": "base"}, r"PrecisionTrainLoRA: the model has no LoRA attached; put PrecisionAttachLoRA"),
-    ("steps 0", {"steps": 0}, r"PrecisionTrainLoRA: steps=0: must be an integer > 0"),
-    ("bad name", {"name_override": "../x"}, r"input 'name'='../x' must be a plain file-name prefix"),
-    ("resume outside", {"resume_from": "../../etc/passwd"}, r"input 'resume_from'='../../etc/passwd' must be a file name"),
+    ("steps 0", {"steps": 0}, r"PrecisionTrainLoRA: input 'steps'=0 is below the minimum 1; use a value in \[1, 1000000\]"),
+    ("bad name", {"name_override": "../x"}, r"input 'name'='../x' contains '\.\.'"),
+    ("name with NUL", {"name_override": "a\x00b"}, r"input 'name'='a\\x00b' contains the control character"),  # D7
+    ("name with newline", {"name_override": "a\nb"}, r"input 'name'='a\\nb' contains the control character"),  # D10
+    ("overlong name", {"name_override": "n" * 300}, r"input 'name'='nnn.*\(300 characters\) has a part of 300 bytes"),  # D7
+    ("resume outside", {"resume_from": "../../etc/passwd"}, r"input 'resume_from'='../../etc/passwd' contains '\.\.'"),
+    ("resume NUL", {"resume_from": "x\x00.safetensors"}, r"input 'resume_from'='x\\x00.safetensors' contains the control"),  # D7
     ("resume missing", {"resume_from": "nope.safetensors"}, r"input 'resume_from'='nope.safetensors': no checkpoint state"),
 ]
 
@@ -86,10 +90,15 @@ def test_flux_latent_into_cosmos_model_is_rejected(env):
 
 SETTINGS_CASES = [
     ({"learning_rate": 0.0}, r"PrecisionTrainSettings: TrainSettings.learning_rate=0.0: must be > 0"),
-    ({"learning_rate": -1e-4}, r"learning_rate=-0.0001: must be > 0"),
-    ({"optimizer": "lion"}, r"PrecisionTrainSettings: TrainSettings.optimizer='lion': unknown; choose one of"),
-    ({"optimizer": "adamw8bit"}, r"optimizer='adamw8bit' is unavailable: pip install bitsandbytes, or choose 'adamw'"),
-    ({"optimizer": "prodigy"}, r"optimizer='prodigy' is unavailable: pip install prodigyopt"),
+    ({"learning_rate": -1e-4}, r"input 'learning_rate'=-0.0001 is below the minimum 0; use a value in \[0, 10\]"),
+    ({"optimizer": "lion"}, r"PrecisionTrainSettings: input 'optimizer'='lion' is not an option; choose one of"),
+    ({"optimizer": "adamw8bit"}, r"input 'optimizer'='adamw8bit' is unavailable: pip install bitsandbytes, or choose 'adamw'"),
+    ({"optimizer": "prodigy"}, r"input 'optimizer'='prodigy' is unavailable: pip install prodigyopt"),
+    # D5 (issue 13): NaN passed every range check; these reached the loop (clipping / DOP silently off)
+    ({"max_grad_norm": float("nan")}, r"input 'max_grad_norm'=nan is not a finite number; use a value in \[0, 1000\]"),
+    ({"dop_multiplier": float("nan")}, r"input 'dop_multiplier'=nan is not a finite number"),
+    ({"weight_decay": float("nan")}, r"input 'weight_decay'=nan is not a finite number"),
+    ({"logit_mean": float("nan")}, r"input 'logit_mean'=nan is not a finite number"),
     ({"warmup_steps": 10}, r"warmup_steps=10: has no effect with lr_schedule 'constant'"),
 ]
 
