@@ -9,6 +9,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .regex import Matcher, compile_user_regex
+
 # One registry: family -> preset -> regexes matched with re.fullmatch against module paths.
 _FLUX_ATTN = (
     r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)",
@@ -101,13 +103,9 @@ def block_of(path: str) -> tuple[str, int] | None:
     return None if m is None else (m.group(1), int(m.group(2)))
 
 
-def _compile(pattern: str, field: str) -> re.Pattern[str] | None:
-    if not pattern.strip():
-        return None
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"[Precision LoRA] {field} regex {pattern!r} is invalid ({e}): fix the regular expression") from None
+def _compile(pattern: str, field: str) -> Matcher | None:
+    """A user regex through ``training.regex`` (linear time with google-re2, else a bounded subset)."""
+    return compile_user_regex(pattern, field)
 
 
 def validate_target_options(targets: str, include: str, exclude: str, blocks: str) -> None:
@@ -134,7 +132,8 @@ def select_targets(linears: Mapping[str, tuple[int, int]], family: str, targets:
     """Pick LoRA targets among ``linears`` (path → (in, out)). Raises ValueError if nothing matches.
 
     preset(family) ∪ include, minus exclude, restricted to the block filter (modules outside any block
-    are dropped when a block filter is given). ``include`` / ``exclude`` use ``re.search``.
+    are dropped when a block filter is given). ``include`` / ``exclude`` are searched (``re.search``
+    semantics) by ``training.regex``, which never backtracks exponentially.
     """
     validate_target_options(targets, include, exclude, blocks)
     fam = preset_family(family)
