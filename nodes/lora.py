@@ -10,7 +10,7 @@ import torch
 from ..attention.backends import BACKENDS
 from ..attention.config import SCALE_MODES, AttentionConfig
 from ..training.checkpoint import STATE_SUFFIX, save_state
-from ..training.guard import NonFiniteError
+from ..training.guard import NonFiniteError, assert_finite
 from ..training.lora import MAX_RANK, PARAM_DTYPES, LoRAConfig
 from ..training.lora_file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ..training.targets import preset_names
@@ -151,7 +151,7 @@ class PrecisionSaveLoRA(PrecisionNode):
                 raise _err(cls.NODE, f"input 'training_state' {reason}: connect the training_state output of the "
                                      "PrecisionTrainLoRA whose model you save")
         style = default_key_style(glue.model_family(model)) if key_style == "auto" else key_style
-        tensors = lora_state_dict(lora_set, style, save_dtype)
+        tensors = _save_tensors(cls.NODE, lora_set, style, save_dtype)
         metadata = glue.build_lora_metadata(model, lora_set, {"ss_key_style": style, "ss_save_dtype": save_dtype})
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
         state_path = None if training_state is None else _state_path(path)
@@ -171,6 +171,21 @@ class PrecisionSaveLoRA(PrecisionNode):
                 os.remove(state_path)  # a state without its LoRA would be a half-written save
             raise
         return io.NodeOutput(path, ui={"text": [path] if state_path is None else [path, state_path]})
+
+
+def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:
+    """The tensors to save, refused before anything is written when they hold NaN/inf or do not fit
+    ``save_dtype`` (fp16 overflow used to be written as inf and loaded silently: issue 13, D1)."""
+    try:
+        tensors = lora_state_dict(lora_set, style, save_dtype)
+    except ValueError as e:
+        raise _err(node, f"input 'save_dtype'={save_dtype!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
+    try:
+        assert_finite(tensors, "the LoRA")
+    except NonFiniteError as e:
+        raise _err(node, f"input 'model' carries a LoRA with NaN/inf values ({str(e).replace('[Precision LoRA] ', '')}); "
+                         "nothing was written: retrain with a lower learning_rate or max_grad_norm > 0") from None
+    return tensors
 
 
 def _state_path(lora_path: str) -> str:
@@ -237,6 +252,9 @@ class PrecisionLoadLoRA(PrecisionNode):
         name = f"lora_name {lora_name!r}"
         try:
             tensors, md = read_lora_file(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise _err(cls.NODE, f"input 'lora_name'={lora_name!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
+        try:
             override = AttentionConfig(backend=override_backend, scale_mode=override_scale_mode,
                                        scale_value=override_scale_value) if attention == "override" else None
             patched = glue.load_lora(model, tensors, strength, mode, name)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .files import atomic_write
-
+from .guard import assert_finite
 from .lora import LoRAConfig, LoRASet
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,22 @@ def lora_state_dict(lora_set: LoRASet, key_style: str, dtype: str | torch.dtype 
     out: dict[str, torch.Tensor] = {}
     for path, a in lora_set.adapters().items():
         prefix = key_prefix(path, key_style)
-        out[prefix + ".lora_down.weight"] = a.down.detach().float().to(dt).cpu().contiguous()
-        out[prefix + ".lora_up.weight"] = a.up.detach().float().to(dt).cpu().contiguous()
+        out[prefix + ".lora_down.weight"] = _cast(a.down, dt, prefix + ".lora_down.weight")
+        out[prefix + ".lora_up.weight"] = _cast(a.up, dt, prefix + ".lora_up.weight")
         out[prefix + ".alpha"] = torch.tensor(a.scale * a.rank, dtype=torch.float32)
+    return out
+
+
+def _cast(t: torch.Tensor, dt: torch.dtype, key: str) -> torch.Tensor:
+    """``t`` in ``dt`` on the CPU; ValueError when a finite value does not fit (fp16 tops out at 65504, and
+    an overflow would be written as inf)."""
+    out = t.detach().float().to(dt).cpu().contiguous()
+    if dt != torch.float32 and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(t.detach()).all()):
+        name = next(n for n, d in SAVE_DTYPES.items() if d == dt)
+        peak = float(t.detach().abs().max())
+        raise ValueError(f"[Precision LoRA] save dtype {name} cannot hold '{key}': its largest value {peak:.4g} is "
+                         f"above {name}'s maximum {torch.finfo(dt).max:.6g} and would be written as inf; "
+                         "save as fp32 (or bf16)")
     return out
 
 
@@ -116,6 +129,7 @@ def save_lora_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Map
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"[Precision LoRA] '{path}' exists: choose another name or enable overwrite")
     contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    assert_finite(contiguous, f"LoRA file {os.path.basename(path)}")
     atomic_write(path, lambda tmp: save_file(contiguous, tmp, metadata=dict(metadata)))
     log.info("[Precision LoRA] saved %d tensors to %s", len(tensors), path)
     return path
@@ -138,6 +152,11 @@ def read_lora_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ) from None
     if not tensors:
         raise ValueError(f"[Precision LoRA] LoRA file '{path}' holds no tensors: re-save it")
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise ValueError(f"[Precision LoRA] LoRA file '{path}' holds NaN/inf in '{bad}' (e.g. a LoRA with values "
+                         "above 65504 saved as fp16): applying it would turn every output into NaN; retrain it or "
+                         "save it again as fp32")
     return tensors, metadata
 
 

@@ -168,7 +168,8 @@ def test_load_lora_bad_files(glue, cfg_cls):
     trunc = os.path.join(loras_dir(), "bad", "truncated.safetensors")
     with open(trunc, "wb") as f:
         f.write(data[: len(data) // 3])
-    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionLoadLoRA: cannot read LoRA file .*truncated\.safetensors.*corrupt or truncated"):
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionLoadLoRA: input 'lora_name'='bad/truncated.safetensors': "
+                                         r"cannot read LoRA file .*truncated\.safetensors.*corrupt or truncated"):
         node("PrecisionLoadLoRA").execute(base, "bad/truncated.safetensors", **LOAD_ARGS)
     cosmos_lora = save(trained(glue, cfg_cls, tiny_cosmos()), "bad/cosmos")
     for mode in ("fp32", "merge"):
@@ -189,3 +190,27 @@ def test_trainer_info_and_attention_reach_the_metadata(glue, cfg_cls, attn):
     assert md["ss_key_style"] == "diffusion_model" and md["ss_save_dtype"] == "fp16"
     assert float(md["ss_training_finished_at"]) > 0 and md["precision_lora_version"]
     assert AttentionConfig.from_metadata(md) == AttentionConfig(scale_mode="absolute", scale_value=0.25)
+
+
+def test_fp16_overflow_and_non_finite_files_are_refused_by_the_nodes(glue, cfg_cls):
+    """D1 (issue 13): Save LoRA with save_dtype=fp16 wrote inf (values above 65504) and Load LoRA applied
+    it silently (a NaN image reported as success)."""
+    from safetensors.torch import load_file, save_file
+
+    model = trained(glue, cfg_cls, tiny_flux1())
+    lora_set = glue.get_lora_set(model)
+    with torch.no_grad():
+        next(iter(lora_set.adapters().values())).up[0, 0] = 2.0e5
+    os.makedirs(loras_dir(), exist_ok=True)
+    before = sorted(os.listdir(loras_dir()))
+    with pytest.raises(ValueError, match=r"PrecisionSaveLoRA: input 'save_dtype'='fp16': save dtype fp16 cannot hold "
+                                         r"'lora_unet_.*': its largest value 2e\+05 is above fp16's maximum 65504"):
+        save(model, "overflow/fp16", save_dtype="fp16")
+    assert sorted(os.listdir(loras_dir())) == before
+    path = save(model, "overflow/fp32")  # fp32 holds it
+    tensors = {k: v.to(torch.float16) for k, v in load_file(path).items()}
+    save_file(tensors, os.path.join(loras_dir(), "overflow", "foreign_fp16.safetensors"))  # as another tool would
+    with pytest.raises(ValueError, match=r"PrecisionLoadLoRA: input 'lora_name'='overflow/foreign_fp16.safetensors': "
+                                         r"LoRA file '.*foreign_fp16.safetensors' holds NaN/inf in "
+                                         r"'lora_unet_.*' .* save it again as fp32"):
+        node("PrecisionLoadLoRA").execute(tiny_flux1(), "overflow/foreign_fp16.safetensors", **LOAD_ARGS)

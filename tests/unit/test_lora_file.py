@@ -124,3 +124,33 @@ def test_pack_version_matches_pyproject():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
     assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == PACK_VERSION
+
+
+def test_fp16_overflow_is_refused_not_written_as_inf(tmp_path):
+    """D1 (issue 13): save_dtype=fp16 wrote inf for values above 65504, and loading it was silent."""
+    s = _set()
+    with torch.no_grad():
+        s.adapters()["single_blocks.0.linear2"].up[0, 0] = 1.0e5
+    with pytest.raises(ValueError, match=r"save dtype fp16 cannot hold 'lora_unet_single_blocks_0_linear2.lora_up.weight': "
+                                         r"its largest value 1e\+05 is above fp16's maximum 65504 .* save as fp32"):
+        lora_state_dict(s, "kohya", "fp16")
+    for dtype in ("fp32", "bf16"):  # both hold 1e5
+        assert all(torch.isfinite(t).all() for t in lora_state_dict(s, "kohya", dtype).values())
+
+
+def test_non_finite_tensors_are_never_written_nor_loaded(tmp_path):
+    """D1 (issue 13): nothing non-finite reaches a LoRA file, and a foreign file holding inf is refused."""
+    from safetensors.torch import save_file
+
+    from training.guard import NonFiniteError
+
+    tensors = lora_state_dict(_set(), "kohya", "fp32")
+    key = "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"
+    tensors[key][0, 0] = float("inf")
+    target = str(tmp_path / "bad.safetensors")
+    with pytest.raises(NonFiniteError, match=rf"'{key}' holds NaN/inf"):
+        save_lora_file(target, tensors, {})
+    assert os.listdir(tmp_path) == []
+    save_file(tensors, target)  # written by another tool
+    with pytest.raises(ValueError, match=rf"bad.safetensors' holds NaN/inf in '{key}' .* save it again as fp32"):
+        read_lora_file(target)
