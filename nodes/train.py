@@ -247,14 +247,19 @@ class PrecisionTrainLoRA(PrecisionNode):
         finally:
             job.running = False
         checkpoint = result.checkpoints[-1] if result.checkpoints else None
+        outcome = result.outcome
         lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
+        lora_set.info["precision_lora_outcome"] = outcome.summary()
         if result.stopped:
             PrecisionTrainLoRA.stopped_runs += 1
         _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
-                                            "stopped": result.stopped, "checkpoint": checkpoint})
+                                            "stopped": result.stopped, "checkpoint": checkpoint,
+                                            "failed": not outcome.ok, "outcome": outcome.summary()})
         if result.reason == "interrupt":
             mm.interrupt_current_processing(False)
             raise mm.InterruptProcessingException()
+        if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
+            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}")
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
 
 

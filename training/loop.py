@@ -17,6 +17,7 @@ from torch import nn
 from .checkpoint import TrainingState
 from .guard import NanGuard, all_finite
 from .optim import MasterWeights, apply_lr, build_optimizer
+from .outcome import Outcome, judge
 from .sampling import loss_weight, sample_u, weighted_mse
 from .settings import TrainSettings
 from .tensors import to_cpu
@@ -94,6 +95,7 @@ class RunResult:
     stopped: bool = False
     reason: str = "done"           # done | stop | interrupt | nan
     checkpoints: list[str] = field(default_factory=list)
+    outcome: Outcome | None = None  # training.outcome.judge of this call: ok, or failed with the reason
 
 
 def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
@@ -304,6 +306,7 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     was_training = module.training
     run = _Run(module, data, fns, settings, seed, state)
     result = RunResult()
+    start = (run.step, run.guard.skipped, run.guard.rollbacks)
     module.train(True)
     try:
         for local in range(steps):
@@ -332,5 +335,9 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 break
     finally:
         module.train(was_training)
+    trained = [p for p in module.parameters() if p.requires_grad]
+    result.outcome = judge(trained, run.step - start[0], run.guard.skipped - start[1], run.guard.rollbacks - start[2])
+    if result.outcome.skipped:
+        log.warning("[Precision LoRA] training %s", result.outcome.summary())
     result.state = run.snapshot(final=True, share_lora=hand_over)
     return result

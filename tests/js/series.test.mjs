@@ -64,6 +64,16 @@ test("markDone records stop and checkpoint; statusText reports them", () => {
   assert.equal(statusText(s), "step 5/40 · loss NaN · lr 2.00e-4 · 1 non-finite · stopped");
 });
 
+test("markDone of a failed run says failed, not done (issue 13, D3)", () => {
+  const s = createSeries();
+  addEvent(s, ev(3, "nan", { total: 3, lr: 1e-4 }));
+  markDone(s, { stopped: false, failed: true, steps: 3 });
+  assert.equal(s.failed, true);
+  assert.equal(statusText(s), "step 3/3 · loss NaN · lr 1.00e-4 · 1 non-finite · failed");
+  addEvent(s, ev(1, 0.5, { prompt_id: "next" }));
+  assert.equal(s.failed, false);
+});
+
 test("smooth: weight 0 is identity, constant stays constant, EMA matches a hand computation", () => {
   const pts = [1, 2, 3].map((v, i) => ({ step: i, loss: v }));
   assert.deepEqual(smooth(pts, 0).map((p) => p.loss), [1, 2, 3]);

@@ -3,7 +3,9 @@
 
 /** An empty loss series. `points` are {step, loss, lr, sigma}, strictly increasing in step. */
 export function createSeries() {
-  return { points: [], total: null, lastLr: null, done: false, stopped: false, checkpoint: null, promptId: null };
+  return {
+    points: [], total: null, lastLr: null, done: false, stopped: false, failed: false, checkpoint: null, promptId: null,
+  };
 }
 
 // JSON has no NaN / Infinity: the server may send null or the strings "nan", "inf", "-inf" for them.
@@ -68,6 +70,7 @@ export function addEvent(series, ev) {
   }
   series.points = [p];
   series.stopped = false;
+  series.failed = false;
   series.checkpoint = null;
   return true;
 }
@@ -84,6 +87,7 @@ export function addHistory(series, points) {
 export function markDone(series, ev) {
   series.done = true;
   series.stopped = Boolean(ev && ev.stopped);
+  series.failed = Boolean(ev && ev.failed); // the run learned nothing or exploded: the node raised
   series.checkpoint = (ev && ev.checkpoint) || null;
   if (ev && Number.isInteger(Number(ev.steps)) && series.total === null) series.total = Number(ev.steps);
 }
@@ -247,6 +251,6 @@ export function statusText(series) {
   const parts = [`step ${last.step}${total}`, `loss ${formatNumber(last.loss)}`, `lr ${formatNumber(series.lastLr)}`];
   const bad = nonFiniteCount(pts);
   if (bad) parts.push(`${bad} non-finite`);
-  if (series.done) parts.push(series.stopped ? "stopped" : "done");
+  if (series.done) parts.push(series.failed ? "failed" : series.stopped ? "stopped" : "done");
   return parts.join(" · ");
 }

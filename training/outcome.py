@@ -1,0 +1,75 @@
+"""How a training call ended, decided in one place (issue 13, D3: runs that learned nothing reported success).
+
+A call **fails** when one of these holds (``Outcome.problem`` says which, with the fix):
+
+1. the LoRA holds NaN or inf;
+2. the LoRA **exploded**: its largest absolute weight exceeds ``EXPLODED_MAX_ABS`` (1e3). LoRA factors start
+   near ``1/sqrt(in_features)`` (down) and 0 (up) and stay of order 1 in healthy runs; a factor of 1e3 makes
+   deltas about a thousand times the base model's weights, and products of two such factors (1e6) are
+   beyond what fp16 can hold;
+3. every optimizer step of the call was skipped by the NaN guard (non-finite loss or gradients): nothing was
+   learned, whatever the weights look like.
+
+Otherwise the call succeeds; skipped steps and rollbacks are still counted in ``summary()``, logged, and
+recorded in the LoRA's metadata (``precision_lora_outcome``).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+EXPLODED_MAX_ABS = 1.0e3
+FIX = ("lower learning_rate (or loraplus_ratio), keep max_grad_norm > 0, and check the settings and data "
+       "(the NaN guard's warnings in the log name each skipped step)")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``steps``: optimizer steps this call ran; ``skipped``/``rollbacks``: the NaN guard's, in this call;
+    ``max_abs``: largest |weight| of the LoRA (nan when it holds NaN); ``problem``: None when the call is ok."""
+
+    steps: int
+    skipped: int
+    rollbacks: int
+    max_abs: float
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def summary(self) -> str:
+        head = "ok" if self.ok else "failed"
+        return (f"{head}: {self.steps} steps, {self.skipped} skipped, {self.rollbacks} rollbacks, "
+                f"largest |LoRA weight| {self.max_abs:.3g}")
+
+
+@torch.no_grad()
+def largest_abs(params: Iterable[torch.Tensor]) -> float:
+    """max |w| over ``params`` (nan if any is NaN, inf if any is inf); 0.0 for none."""
+    peak = 0.0
+    for p in params:
+        if p.numel():
+            m = float(p.detach().abs().max().float())  # max propagates NaN
+            if math.isnan(m):
+                return math.nan
+            peak = max(peak, m)
+    return peak
+
+
+def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: int) -> Outcome:
+    """The outcome of a call that ran ``steps`` optimizer steps on ``params`` (see the module docstring)."""
+    peak = largest_abs(params)
+    problem = None
+    if not math.isfinite(peak):
+        problem = f"the trained LoRA holds NaN/inf, so it is not usable; {FIX}"
+    elif peak > EXPLODED_MAX_ABS:
+        problem = (f"the LoRA exploded: its largest |weight| is {peak:.3g}, above the bound {EXPLODED_MAX_ABS:g} "
+                   f"(healthy LoRA weights are of order 1); {FIX}")
+    elif steps > 0 and skipped >= steps:
+        problem = (f"every one of the {steps} steps was skipped (non-finite loss or gradients), so nothing was "
+                   f"learned; {FIX}")
+    return Outcome(steps, skipped, rollbacks, peak, problem)
