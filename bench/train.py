@@ -109,34 +109,64 @@ def _ours(h, model, latents, cond, args, steps: int) -> int:
     return attached.get_attachment(glue.ATTACHMENT_KEY).num_parameters()
 
 
+def builtin_inputs(model, latents, cond, args, steps: int) -> dict:
+    """TrainLoraNode's inputs for this host, by name from its own schema (0.33 added quantized_backward,
+    checkpoint_depth, offloading, bucket_mode, bypass_mode): defaults, then the bench's settings, then the
+    variant's options (``--builtin-variants``). Every value is a list (the node is ``is_input_list``)."""
+    from comfy_extras.nodes_train import TrainLoraNode
+
+    schema = TrainLoraNode.define_schema()
+    values = {i.id: getattr(i, "default", None) for i in schema.inputs}
+    dtype = "fp32" if args.dtype == "fp32" else "bf16"  # its compute dtype = the model's; LoRA in fp32 like ours
+    values.update(model=model, latents=latents, positive=cond, batch_size=1, steps=steps,
+                  grad_accumulation_steps=1, learning_rate=1e-4, rank=args.rank, optimizer="AdamW",
+                  loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype="fp32", algorithm="LoRA",
+                  gradient_checkpointing=args.checkpointing, existing_lora="[None]")
+    for key, value in parse_variant(args.variant).items():
+        if key not in values:
+            raise SystemExit(f"bench/train.py: TrainLoraNode of this ComfyUI has no input {key!r} "
+                             f"(inputs: {', '.join(values)})")
+        values[key] = value
+    return {k: (v if k == "latents" else [v]) for k, v in values.items()}
+
+
+def parse_variant(spec: str) -> dict:
+    """"bypass_mode" -> {"bypass_mode": True}; "checkpoint_depth=2" -> {"checkpoint_depth": 2}; "" -> {}."""
+    out: dict = {}
+    for item in (x for x in spec.split("+") if x):
+        key, _, raw = item.partition("=")
+        out[key] = True if not raw else (int(raw) if raw.isdigit() else raw in ("true", "True") or raw)
+    return out
+
+
 def _builtin(h, model, latents, cond, args, steps: int) -> int:
     import torch
     from comfy_extras.nodes_train import TrainLoraNode
 
     h.pack()
-    dtype = "fp32" if args.dtype == "fp32" else "bf16"  # its compute dtype = the model's; LoRA in fp32 like ours
     with torch.inference_mode():
-        # (model, latents, positive, batch_size, steps, grad_accumulation_steps, learning_rate, rank, ...)
-        TrainLoraNode.execute([model], latents, [cond], [1], [steps], [1], [1e-4], [args.rank], ["AdamW"], ["MSE"],
-                              [0], [dtype], ["fp32"], ["LoRA"], [args.checkpointing], ["[None]"])
+        TrainLoraNode.execute(**builtin_inputs(model, latents, cond, args, steps))
     return 0
 
 
 class StepClock:
     """Timestamps of optimizer steps, from ComfyUI's progress-bar hook: both trainers advance their
     ``comfy.utils.ProgressBar`` once per optimizer step, so steady-state step time is measured the same way
-    for both, without either node's per-call set-up (LoRA creation, model load)."""
+    for both, without either node's per-call set-up (LoRA creation, model load). ComfyUI 0.33 throttles the
+    hook (updates closer than 100 ms may be dropped; the first and last always arrive), so the time is taken
+    between the first and the last update over the steps between them."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.points: list[tuple[int, float]] = []
 
     def __call__(self, value, total, preview, node_id=None) -> None:
-        self.times.append(time.perf_counter())
+        self.points.append((int(value), time.perf_counter()))
 
     def step_s(self, steps: int) -> float:
-        if len(self.times) != steps or steps < 2:
-            raise RuntimeError(f"expected {steps} (>= 2) progress updates, got {len(self.times)}")
-        return (self.times[-1] - self.times[0]) / (steps - 1)
+        if steps < 2 or len(self.points) < 2 or self.points[-1][0] - self.points[0][0] < 1:
+            raise RuntimeError(f"expected progress updates over {steps} (>= 2) steps, got {self.points}")
+        (v0, t0), (v1, t1) = self.points[0], self.points[-1]
+        return (t1 - t0) / (v1 - v0)
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -146,6 +176,7 @@ def child(args: argparse.Namespace) -> dict:
     h, model, latents, cond = _setup(args)
     import comfy.utils
 
+    args.variant = args.trainer.partition(":")[2]
     run = _ours if args.trainer == "ours" else _builtin
     cuda = torch.cuda.is_available()
     with PeakMemory(cuda) as mem:
@@ -201,7 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     p.add_argument("--quick", action="store_true", help="tiny run for tests: flux1_dev, 32 px, 3 steps")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--trainer", choices=TRAINERS, help=argparse.SUPPRESS)
+    p.add_argument("--builtin-variants", default="",
+                   help="extra built-in configurations, comma-separated, each options joined by '+', e.g. "
+                        "'bypass_mode,checkpoint_depth=2,offloading' (ComfyUI 0.33's TrainLoraNode options)")
+    p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -217,9 +251,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     _header(args)
     rows: list[dict] = []
     for width in widths:
-        runs = [_spawn(args, width, t, c) for _ in range(args.repeats) for c in (False, True) for t in TRAINERS]
-        rows += _best(runs)
-        _report(rows[-4:])
+        trainers = trainer_names(args)
+        runs = [_spawn(args, width, t, c) for _ in range(args.repeats) for c in (False, True) for t in trainers]
+        best = _best(runs, trainers)
+        rows += best
+        _report(best, trainers)
     return rows
 
 
@@ -240,12 +276,17 @@ def _widths(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
     return out
 
 
-def _best(runs: list[dict]) -> list[dict]:
+def trainer_names(args: argparse.Namespace) -> list[str]:
+    """"ours", "builtin" and one "builtin:<options>" per --builtin-variants entry."""
+    return [*TRAINERS, *(f"builtin:{v.strip()}" for v in args.builtin_variants.split(",") if v.strip())]
+
+
+def _best(runs: list[dict], trainers: list[str]) -> list[dict]:
     """Per (trainer, checkpointing): the fastest step time and the smallest peak over the repeats (the
     machine is shared; interleaved repeats and the minimum keep other load out of the ratio)."""
     out = []
     for ckpt in (False, True):
-        for trainer in TRAINERS:
+        for trainer in trainers:
             mine = [r for r in runs if r["trainer"] == trainer and r["checkpointing"] == ckpt]
             good = [r for r in mine if "error" not in r]
             if not good:
@@ -258,29 +299,45 @@ def _best(runs: list[dict]) -> list[dict]:
 
 
 def _header(args: argparse.Namespace) -> None:
-    print(f"[Precision LoRA] bench/train.py family={args.family} size={args.size}px rank={args.rank} "
-          f"dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}", flush=True)
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import comfy_bootstrap
+
+    with open(os.path.join(comfy_bootstrap.COMFY_DIR, "comfyui_version.py")) as f:
+        version = f.read().split('"')[-2]
+    print(f"[Precision LoRA] bench/train.py ComfyUI {version} family={args.family} size={args.size}px "
+          f"rank={args.rank} dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}",
+          flush=True)
 
 
-def _report(rows: list[dict]) -> None:
-    """One model's four rows and its two ratio lines."""
+def _report(rows: list[dict], trainers: list[str]) -> None:
+    """One model's rows (trainer x checkpointing) and a ratio line per built-in configuration; a built-in
+    that failed is said so, with its error (e.g. ComfyUI 0.33's built-in cannot backward through Cosmos)."""
     sizes = next((r for r in rows if r["trainer"] == "ours" and "error" not in r), None)
     about = "" if sizes is None else (f": {sizes['model_params']:,} parameters, LoRA {sizes['lora_params']:,} "
                                       "(every Linear)")
+    width = max(9, *(len(t) + 2 for t in trainers))
     print(f"\nmodel {rows[0]['model']}{about}")
-    print(f"{'checkpointing':<14}{'trainer':<9}{'s/step':>10}{'peak MiB':>10}{'set-up s':>10}")
+    print(f"{'checkpointing':<14}{'trainer':<{width}}{'s/step':>10}{'peak MiB':>10}{'set-up s':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}  failed: {r['error']}")
+            print(f"{str(r['checkpointing']):<14}{r['trainer']:<{width}}  failed: {r['error']}")
             continue
-        print(f"{str(r['checkpointing']):<14}{r['trainer']:<9}{r['step_s']:>10.4f}{r['peak_bytes'] / 2**20:>10.1f}"
-              f"{r['setup_s']:>10.3f}")
+        print(f"{str(r['checkpointing']):<14}{r['trainer']:<{width}}{r['step_s']:>10.4f}"
+              f"{r['peak_bytes'] / 2**20:>10.1f}{r['setup_s']:>10.3f}")
     for ckpt in (False, True):
-        pair = {r["trainer"]: r for r in rows if r["checkpointing"] == ckpt and "error" not in r}
-        if len(pair) == 2:
-            t = pair["ours"]["step_s"] / pair["builtin"]["step_s"]
-            m = pair["ours"]["peak_bytes"] / max(1, pair["builtin"]["peak_bytes"])
-            print(f"ratio ours/builtin, model={rows[0]['model']} checkpointing={ckpt}: time {t:.2f}x, "
+        pair = {r["trainer"]: r for r in rows if r["checkpointing"] == ckpt}
+        ours = pair.get("ours")
+        for name in trainers[1:]:
+            other = pair.get(name)
+            if ours is None or other is None or "error" in ours:
+                continue
+            if "error" in other:
+                print(f"no ratio ours/{name}, model={rows[0]['model']} checkpointing={ckpt}: the built-in trainer "
+                      f"could not train this model here ({' '.join(other['error'])[:200]})", flush=True)
+                continue
+            t = ours["step_s"] / other["step_s"]
+            m = ours["peak_bytes"] / max(1, other["peak_bytes"])
+            print(f"ratio ours/{name}, model={rows[0]['model']} checkpointing={ckpt}: time {t:.2f}x, "
                   f"peak memory {m:.2f}x", flush=True)
 
 

@@ -184,6 +184,15 @@ def globals_snapshot() -> dict[str, Any]:
             "ck": None if holder is None else holder[0].ck}
 
 
+def set_reload(patcher: Any, factory: Callable[..., Any], *args: Any) -> Any:
+    """Tell ComfyUI 0.33+ how to load ``patcher``'s model again: its deep copies (the built-in trainer's
+    ``clone(force_deepcopy=True)``, multi-GPU clones) call ``factory(*args, disable_dynamic=True)`` instead
+    of copying, and fail for models without one. A no-op on versions without ``cached_patcher_init``."""
+    if hasattr(patcher, "cached_patcher_init"):
+        patcher.cached_patcher_init = (factory, args)
+    return patcher
+
+
 def has_backward(func: Callable[..., Any]) -> bool:
     """False for ComfyUI attention functions whose gradients do not work (see NO_BACKWARD_ATTENTION)."""
     return getattr(func, "__name__", "") not in NO_BACKWARD_ATTENTION

@@ -11,6 +11,7 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 
+from .comfy_compat import set_reload
 from .comfy_io import io
 from .model_info import describe_model
 from .tiny_models import UNET_CONFIG_KEY, build_model_from_config
@@ -63,7 +64,12 @@ def load_model_file(path: str, weight_dtype: str = "default"):
     if model is None:
         raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} is not a diffusion model ComfyUI "
                          "recognises (no model type detected); choose a diffusion model (UNet/DiT) file")
-    return model
+    return set_reload(model, _reload, path, weight_dtype)
+
+
+def _reload(path: str, weight_dtype: str, disable_dynamic: bool = False):
+    """The same file loaded again, for ComfyUI's deep copies of the model (``comfy_compat.set_reload``)."""
+    return load_model_file(path, weight_dtype)
 
 
 class PrecisionLoadDiffusionModel(io.ComfyNode):
