@@ -135,6 +135,16 @@ def _send(event: str, data: dict) -> None:
         instance.send_sync(event, data, getattr(instance, "client_id", None))
 
 
+def _client_id() -> str | None:
+    """The client that queued the running prompt (ComfyUI sets it on the server while a prompt executes)."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return None
+    client = getattr(getattr(PromptServer, "instance", None), "client_id", None)
+    return client if isinstance(client, str) and client else None
+
+
 def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
     from comfy_execution.utils import get_executing_context
 
@@ -238,9 +248,9 @@ class PrecisionTrainLoRA(PrecisionNode):
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
         start = state.step if state is not None else 0
         job = start_job(node_id, prompt_id, [] if state is None else [
-            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history])
+            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], _client_id())
         hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
-                      save_checkpoint=checkpoint_writer(out, lora_set, name),
+                      save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
                       is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks)

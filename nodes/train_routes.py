@@ -1,12 +1,19 @@
 """HTTP routes of the training job: stop / checkpoint-now, and the current run's loss history.
 
-``POST /precision_lora/train/control`` body ``{"action": "stop" | "checkpoint", "node_id"?: str}`` addresses
-only the training job running now (the client never names a file or path). Answers
-``{"ok": true, "action", "node_id", "step"}``; 400 ``{"ok": false, "error"}`` for a bad body; 409 when no
-training runs (``"no training is running"``) or ``node_id`` names another node.
+Both are scoped to the client that queued the run (issue 13, D6): ComfyUI gives each client an id (the
+prompt's ``client_id``, the websocket ``clientId``) and the job remembers it.
 
-``GET /precision_lora/train/history`` answers ``{"running", "node_id", "prompt_id", "points": [{"step",
-"loss", "lr", "sigma"}...]}`` of the current (or last) run, so a reloaded page can redraw its chart.
+``POST /precision_lora/train/control`` body ``{"action": "stop" | "checkpoint", "client_id": str,
+"node_id"?: str}`` addresses only the training job running now (the client never names a file or path).
+Answers ``{"ok": true, "action", "node_id", "step", "coalesced"}``; 400 ``{"ok": false, "error"}`` for a bad
+body (not JSON, nested too deep, unknown action, no client_id), 413 for a body over ``MAX_BODY`` bytes,
+409 when no training runs (``"no training is running"``) or ``node_id`` names another node, 403 when the
+run belongs to another client (or was queued without a client_id). A checkpoint request while one is
+pending or being written is coalesced into it (``"coalesced": true``): requests never pile up files.
+
+``GET /precision_lora/train/history?client_id=<id>`` answers ``{"running", "node_id", "prompt_id",
+"points": [{"step", "loss", "lr", "sigma"}...]}`` of the current (or last) run when that client queued it,
+so a reloaded page can redraw its chart; other clients get the empty history.
 
 ``TrainJob`` (the running job's control requests and loss history) lives here, free of ComfyUI, so tests
 drive the handlers with aiohttp's test client; ``register()`` binds them to ComfyUI's server.
@@ -23,31 +30,60 @@ log = logging.getLogger(__name__)
 CONTROL_ROUTE = "/precision_lora/train/control"
 HISTORY_ROUTE = "/precision_lora/train/history"
 ACTIONS = ("stop", "checkpoint")
+MAX_BODY = 4096  # bytes; a control body is a few dozen
+USAGE = '{"action": "stop" | "checkpoint", "client_id": "<your clientId>", "node_id": "<optional>"}'
 EMPTY_HISTORY: dict[str, Any] = {"running": False, "node_id": None, "prompt_id": None, "points": []}
 
 _registered = False
 
 
 class TrainJob:
-    """The training job that runs now (or ran last): control requests from HTTP and its loss history."""
+    """The training job that runs now (or ran last): its owner, control requests and loss history."""
 
-    def __init__(self, node_id: str | None, prompt_id: str | None, points: list[dict]) -> None:
-        self.node_id, self.prompt_id = node_id, prompt_id
+    def __init__(self, node_id: str | None, prompt_id: str | None, points: list[dict],
+                 client_id: str | None = None) -> None:
+        self.node_id, self.prompt_id, self.client_id = node_id, prompt_id, client_id
         self.points = list(points)
         self.running = True
         self.step = points[-1]["step"] if points else 0
-        self._requests: list[str] = []
+        self._pending: set[str] = set()
+        self._writing = False  # a checkpoint is handed out or being written
         self._lock = threading.Lock()
 
-    def request(self, action: str) -> None:
+    def owned_by(self, client_id: object) -> bool:
+        return self.client_id is not None and isinstance(client_id, str) and client_id == self.client_id
+
+    def request(self, action: str) -> bool:
+        """Queue ``action``; returns True when it was coalesced into one already pending or being written."""
         with self._lock:
-            self._requests.append(action)
+            if action in self._pending or (action == "checkpoint" and self._writing):
+                return True  # the checkpoint being written now is the one asked for
+            self._pending.add(action)
+            return False
 
     def take_request(self) -> str | None:
+        """The next action for the loop: stop wins over a pending checkpoint."""
         with self._lock:
-            if not self._requests:
-                return None
-            return "stop" if "stop" in self._requests else self._requests.pop(0)
+            if "stop" in self._pending:
+                self._pending.clear()
+                return "stop"
+            if "checkpoint" in self._pending:
+                self._pending.discard("checkpoint")
+                self._writing = True
+                return "checkpoint"
+            return None
+
+    def tracked(self, save: Callable[[Any, str], str]) -> Callable[[Any, str], str]:
+        """``save`` (the loop's checkpoint writer) marking the job as writing while it runs."""
+        def write(state: Any, reason: str) -> str:
+            with self._lock:
+                self._writing = True
+            try:
+                return save(state, reason)
+            finally:
+                with self._lock:
+                    self._writing = False
+        return write
 
     def add_point(self, point: dict) -> None:
         with self._lock:
@@ -63,8 +99,8 @@ class TrainJob:
 _current: dict[str, TrainJob | None] = {"job": None}
 
 
-def start_job(node_id: str | None, prompt_id: str | None, points: list[dict]) -> TrainJob:
-    job = TrainJob(node_id, prompt_id, points)
+def start_job(node_id: str | None, prompt_id: str | None, points: list[dict], client_id: str | None = None) -> TrainJob:
+    job = TrainJob(node_id, prompt_id, points, client_id)
     _current["job"] = job
     return job
 
@@ -79,27 +115,60 @@ def _fail(status: int, error: str):
     return web.json_response({"ok": False, "error": error}, status=status)
 
 
+async def _read_body(request: Any, limit: int) -> bytes | None:
+    """The request body, or None when it is longer than ``limit`` bytes (read no further)."""
+    chunks, size = [], 0
+    async for chunk in request.content.iter_chunked(1024):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse_control(request: Any) -> tuple[dict | None, Any]:
+    """(body, None) or (None, error response) for a control request."""
+    raw = await _read_body(request, MAX_BODY)
+    if raw is None:
+        return None, _fail(413, f"body is longer than {MAX_BODY} bytes; send {USAGE}")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than json's recursion limit
+        return None, _fail(400, f"body must be JSON: {USAGE}")
+    if not isinstance(body, dict) or body.get("action") not in ACTIONS:
+        got = body.get("action") if isinstance(body, dict) else type(body).__name__
+        return None, _fail(400, f"action {str(got)[:40]!r} is unknown; use one of {list(ACTIONS)}")
+    if not isinstance(body.get("client_id"), str) or not body["client_id"]:
+        return None, _fail(400, "client_id is missing: send the websocket clientId of the page that queued "
+                                f"the prompt; {USAGE}")
+    if body.get("node_id") is not None and not isinstance(body["node_id"], (str, int)):
+        return None, _fail(400, "node_id must be a node id (text)")
+    return body, None
+
+
 def make_control_handler(get_job: Callable[[], Any]):
     """aiohttp handler for CONTROL_ROUTE over ``get_job()`` (a ``TrainJob`` or None)."""
     from aiohttp import web
 
     async def control(request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, ValueError):
-            return _fail(400, "body must be JSON: {\"action\": \"stop\" | \"checkpoint\"}")
-        if not isinstance(body, dict) or body.get("action") not in ACTIONS:
-            got = body.get("action") if isinstance(body, dict) else body
-            return _fail(400, f"action {got!r} is unknown; use one of {list(ACTIONS)}")
+        body, error = await _parse_control(request)
+        if error is not None:
+            return error
         job = get_job()
         if job is None or not job.running:
             return _fail(409, "no training is running")
+        if not job.owned_by(body["client_id"]):
+            who = "another client" if job.client_id is not None else "no client (it was queued without a client_id)"
+            return _fail(403, f"this training run belongs to {who}: only the client that queued it can stop or "
+                              "checkpoint it; use ComfyUI's Cancel to interrupt it")
         node_id = body.get("node_id")
         if node_id is not None and str(node_id) != str(job.node_id):
-            return _fail(409, f"node {node_id} is not training now (node {job.node_id} is)")
-        job.request(body["action"])
-        log.info("[Precision LoRA] %s requested for training node %s at step %d", body["action"], job.node_id, job.step)
-        return web.json_response({"ok": True, "action": body["action"], "node_id": job.node_id, "step": job.step})
+            return _fail(409, f"node {str(node_id)[:40]} is not training now (node {job.node_id} is)")
+        coalesced = job.request(body["action"])
+        log.info("[Precision LoRA] %s requested for training node %s at step %d%s", body["action"], job.node_id,
+                 job.step, " (coalesced with the pending one)" if coalesced else "")
+        return web.json_response({"ok": True, "action": body["action"], "node_id": job.node_id, "step": job.step,
+                                  "coalesced": coalesced})
 
     return control
 
@@ -110,7 +179,8 @@ def make_history_handler(get_job: Callable[[], Any]):
 
     async def history(request):
         job = get_job()
-        return web.json_response(dict(EMPTY_HISTORY) if job is None else job.snapshot())
+        mine = job is not None and job.owned_by(request.query.get("client_id"))
+        return web.json_response(job.snapshot() if mine else dict(EMPTY_HISTORY))
 
     return history
 

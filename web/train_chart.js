@@ -100,13 +100,19 @@ function renderView(view) {
   });
 }
 
+// The server lets only the client that queued a run control it or read its history: this page's id
+// (the websocket clientId, kept in sessionStorage across reloads; initialClientId until the socket opens).
+function clientId() {
+  return api.clientId ?? api.initialClientId ?? sessionStorage.getItem("clientId") ?? null;
+}
+
 async function sendControl(node, action, view) {
   view.message.textContent = `${action}…`;
   try {
     const resp = await api.fetchApi(CONTROL_ROUTE, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ action, node_id: String(node.id) }),
+      body: JSON.stringify({ action, node_id: String(node.id), client_id: clientId() }),
     });
     let body = {};
     try {
@@ -116,7 +122,8 @@ async function sendControl(node, action, view) {
     }
     if (resp.ok && body.ok) {
       const when = body.step !== undefined && body.step !== null ? ` at step ${body.step}` : "";
-      view.message.textContent = action === "stop" ? `stop requested${when}` : `checkpoint requested${when}`;
+      const note = body.coalesced ? " (joined the pending one)" : "";
+      view.message.textContent = action === "stop" ? `stop requested${when}` : `checkpoint requested${when}${note}`;
     } else {
       view.message.textContent = body.error || `${action} failed (HTTP ${resp.status})`;
     }
@@ -177,8 +184,10 @@ function attachChart(node) {
 }
 
 async function replayHistory() {
+  const id = clientId();
+  if (!id) return; // no socket yet: the "status" / "reconnected" events replay once it has an id
   try {
-    const resp = await api.fetchApi(HISTORY_ROUTE);
+    const resp = await api.fetchApi(`${HISTORY_ROUTE}?client_id=${encodeURIComponent(id)}`);
     if (!resp.ok) return;
     const h = await resp.json();
     if (!h || h.node_id === null || h.node_id === undefined || !Array.isArray(h.points) || !h.points.length) return;
@@ -203,8 +212,16 @@ app.registerExtension({
       markDone(seriesFor(detail.node), detail);
       render(detail.node);
     });
-    // A reload during a run: reconnecting the socket is when the history matters.
+    // A reload during a run: reconnecting the socket is when the history matters. The first "status"
+    // message carries this page's clientId, which the history route needs.
     api.addEventListener("reconnected", () => replayHistory());
+    let replayed = false;
+    api.addEventListener("status", () => {
+      if (!replayed && clientId()) {
+        replayed = true;
+        replayHistory();
+      }
+    });
     replayHistory();
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {

@@ -56,9 +56,9 @@ def _train_prompt() -> dict:
     return prompt
 
 
-def _run_with_events(server, prompt: dict, timeout: float = 300) -> tuple[dict, list[dict]]:
+def _run_with_events(server, prompt: dict, timeout: float = 300, client_id: str | None = None) -> tuple[dict, list[dict]]:
     """Queue ``prompt`` and collect its websocket events; returns (history entry, events)."""
-    events, prompt_id = _run_controlled(server, prompt, lambda data: None, timeout)
+    events, prompt_id = _run_controlled(server, prompt, lambda data: None, timeout, client_id)
     return server.wait(prompt_id), events
 
 
@@ -68,7 +68,8 @@ def _latent(server, entry: dict, node: str) -> torch.Tensor:
 
 
 def test_training_over_http_with_events_and_stock_loadable_lora(server):
-    entry, events = _run_with_events(server, _train_prompt())
+    client_id = str(uuid.uuid4())
+    entry, events = _run_with_events(server, _train_prompt(), client_id=client_id)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1)[:3000]
     steps = [e["data"] for e in events if e["type"] == "precision_lora.train_step"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -77,8 +78,9 @@ def test_training_over_http_with_events_and_stock_loadable_lora(server):
     assert [p["value"] for p in progress] == list(range(1, STEPS + 1)) and progress[-1]["max"] == STEPS
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"]
     assert done and done[-1]["steps"] == STEPS and done[-1]["stopped"] is False
-    status, history = server.get("/precision_lora/train/history")
+    status, history = server.get(f"/precision_lora/train/history?client_id={client_id}")
     assert status == 200 and history["running"] is False and len(history["points"]) == STEPS
+    assert server.get("/precision_lora/train/history?client_id=someone-else")[1]["points"] == []  # D6
     assert entry["outputs"]["8"]["images"][0]["filename"].endswith(".png")
 
     (path,) = entry["outputs"]["7"]["text"]
@@ -101,7 +103,7 @@ def test_training_over_http_with_events_and_stock_loadable_lora(server):
 
 
 def test_control_route_without_training_is_409(server):
-    status, body = server.request("/precision_lora/train/control", {"action": "stop"})
+    status, body = server.request("/precision_lora/train/control", {"action": "stop", "client_id": "x"})
     assert (status, body) == (409, {"ok": False, "error": "no training is running"})
 
 
@@ -149,9 +151,11 @@ def test_a_model_from_the_stock_loader_trains_the_same_lora(server):
     assert all(torch.equal(ours[k], stock[k]) for k in ours)
     assert any(k.endswith("lora_up.weight") and ours[k].abs().max() > 0 for k in ours)
 
-def _run_controlled(server, prompt: dict, on_step, timeout: float = 300) -> tuple[list[dict], str]:
-    """Queue ``prompt``; call ``on_step(step_data)`` on every train_step event; return (events, prompt_id)."""
-    client_id = str(uuid.uuid4())
+def _run_controlled(server, prompt: dict, on_step, timeout: float = 300,
+                    client_id: str | None = None) -> tuple[list[dict], str]:
+    """Queue ``prompt`` as ``client_id``; call ``on_step(step_data)`` on every train_step event; return
+    (events, prompt_id)."""
+    client_id = client_id or str(uuid.uuid4())
     ws = websocket.create_connection(f"ws://127.0.0.1:{server.port}/ws?clientId={client_id}", timeout=timeout)
     try:
         prompt_id = server.post_prompt(prompt, client_id=client_id)
@@ -181,15 +185,25 @@ def _long_prompt(name: str) -> dict:
 
 
 def test_stop_and_checkpoint_now_over_http(server):
-    asked = {}
+    """Also D6 (issue 13): another client is refused, and 40 checkpoint requests write one checkpoint."""
+    asked, me = {}, str(uuid.uuid4())
+
+    def ask(action, client=me, **extra):
+        return server.request("/precision_lora/train/control", {"action": action, "client_id": client, **extra})
 
     def control(step):
         if step["step"] == 1:
-            asked["checkpoint"] = server.request("/precision_lora/train/control", {"action": "checkpoint", "node_id": "6"})
+            asked["intruder"] = [ask("stop", "intruder"), ask("checkpoint", "intruder")]
+            asked["checkpoint"] = [ask("checkpoint", node_id="6") for _ in range(40)]
         if step["step"] == 3 and "stop" not in asked:
-            asked["stop"] = server.request("/precision_lora/train/control", {"action": "stop"})
+            asked["stop"] = ask("stop")
 
-    events, _ = _run_controlled(server, _long_prompt("e2e_stop"), control)
+    events, _ = _run_controlled(server, _long_prompt("e2e_stop"), control, client_id=me)
+    assert [r[0] for r in asked["intruder"]] == [403, 403]
+    assert all(r[0] == 200 and r[1]["ok"] for r in asked["checkpoint"])
+    queued = sum(not r[1]["coalesced"] for r in asked["checkpoint"])
+    assert 1 <= queued <= 5  # one, or a few when steps finish while the 40 requests arrive; never one each
+    asked["checkpoint"] = asked["checkpoint"][0]
     assert asked["checkpoint"][0] == 200 and asked["checkpoint"][1]["ok"] is True
     assert asked["stop"][0] == 200 and asked["stop"][1]["action"] == "stop"
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
@@ -199,6 +213,8 @@ def test_stop_and_checkpoint_now_over_http(server):
     names = os.listdir(folder)
     assert any(n.startswith("e2e_stop_s000002") or n.startswith("e2e_stop_s000001") for n in names), names
     assert os.path.basename(done["checkpoint"]) in names
+    loras = [n for n in names if n.startswith("e2e_stop_s") and n.endswith(".safetensors")]
+    assert len(loras) <= queued + 1, loras  # the requested ones and the one Stop writes; never one per request
 
 
 def test_cancel_over_http_leaves_a_loadable_checkpoint(server):
