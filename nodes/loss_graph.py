@@ -90,6 +90,11 @@ def draw_curve(losses: list[float], factor: float, log_scale: bool, width: int, 
 
 
 
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:  # closed before atomic_write fsyncs and renames it
+        f.write(text)
+
+
 def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], prefix: str) -> tuple[str, str, str]:
     """Write ``<prefix>_NNNNN_.png`` and ``.csv`` (step, loss, smoothed) into the output folder.
     Returns (png filename, subfolder, png path)."""
@@ -101,7 +106,7 @@ def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], pre
     base = os.path.join(folder, f"{name}_{counter:05}_")
     atomic_write(base + ".png", lambda tmp: img.save(tmp, format="PNG"))
     rows = "step,loss,smoothed\n" + "".join(f"{i + 1},{v!r},{s!r}\n" for i, (v, s) in enumerate(zip(losses, smoothed)))
-    atomic_write(base + ".csv", lambda tmp: open(tmp, "w", encoding="utf-8").write(rows))
+    atomic_write(base + ".csv", lambda tmp: _write_text(tmp, rows))
     return os.path.basename(base + ".png"), subfolder, base + ".png"
 
 
