@@ -8,6 +8,7 @@ from ..training.probe_math import summarize
 from ..training.probe_report import format_report
 from .checks import PrecisionNode
 from .comfy_io import io, ui
+from .data_checks import conditioning_problem, latent_problem
 from .probe_chart import draw_probe_chart
 from .probe_glue import ProbeResult, probe_model
 
@@ -26,13 +27,15 @@ def settings_of(result: ProbeResult) -> dict[str, object]:
             "softclamp": cfg.softclamp}
 
 
-def _check(latent, conditioning) -> None:
-    if not isinstance(latent, dict) or "samples" not in latent:
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'latent' has no 'samples' tensor; connect a LATENT "
-                         "(e.g. VAE Encode or PrecisionDemoLatent)")
-    if not conditioning:
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'conditioning' is empty; connect a text encoder's "
-                         "CONDITIONING (or PrecisionDemoConditioning)")
+def _check(model, latent, conditioning) -> None:
+    """The latent and conditioning fit this model (another model's would fail inside the forward)."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    problem = latent_problem(model, samples)
+    if problem is not None:
+        raise ValueError(f"[Precision LoRA] {NODE}: input 'latent' {problem}")
+    problem = conditioning_problem(model, conditioning)
+    if problem is not None:
+        raise ValueError(f"[Precision LoRA] {NODE}: input 'conditioning' {problem}")
 
 
 class PrecisionProbe(PrecisionNode):
@@ -66,7 +69,7 @@ class PrecisionProbe(PrecisionNode):
 
     @classmethod
     def execute(cls, model, latent, conditioning, noise_level: float, seed: int, max_rows: int) -> io.NodeOutput:
-        _check(latent, conditioning)
+        _check(model, latent, conditioning)
         result = probe_model(model, latent, conditioning, noise_level, seed, max_rows)
         attention = {k: v.as_dict() for k, v in result.attention.items()}
         notes = [] if not result.weight_patches else [

@@ -15,7 +15,7 @@ import torch
 
 from ..training.grad import clone_if_inference
 from ..training.loop import Sample
-from .model_info import describe_model
+from .data_checks import conditioning_problem, latent_problem
 
 NODE = "PrecisionTrainLoRA"
 
@@ -26,19 +26,14 @@ def _err(input_name: str, message: str) -> ValueError:
 
 def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
     """Per-sample latents (C, ...) in model space, and for each the index of the LATENT it came from."""
-    fmt = model.model.latent_format
-    want_ndim = 2 + getattr(fmt, "latent_dimensions", 2)
-    channels = fmt.latent_channels
     rows, owner = [], []
     for i, latent in enumerate(latents):
         samples = latent.get("samples") if isinstance(latent, dict) else None
         if not isinstance(samples, torch.Tensor):
             raise _err("latents", f"item {i} is not a LATENT dict with a 'samples' tensor")
-        if samples.ndim != want_ndim or samples.shape[1] != channels:
-            layout = "(B, C, T, H, W)" if want_ndim == 5 else "(B, C, H, W)"
-            raise _err("latents", f"latent {i} has shape {tuple(samples.shape)} but this model "
-                       f"({describe_model(model).family}) expects {layout} with C={channels}; encode the images "
-                       "with this model's VAE")
+        problem = latent_problem(model, samples)
+        if problem is not None:
+            raise _err("latents", f"latent {i} {problem}")
         x = model.model.process_latent_in(clone_if_inference(samples).float()).float().clone()
         for row in x:
             rows.append(row)
@@ -48,12 +43,13 @@ def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], li
     return rows, owner
 
 
-def _cond_rows(conditionings: list[Any], input_name: str) -> list[list]:
+def _cond_rows(model: Any, conditionings: list[Any], input_name: str) -> list[list]:
     """Each CONDITIONING split into single-row conditionings [[ctx (1, L, D), extras]]."""
     rows: list[list] = []
     for i, cond in enumerate(conditionings):
-        if not isinstance(cond, list) or not cond or not isinstance(cond[0], (list, tuple)):
-            raise _err(input_name, f"item {i} is not a CONDITIONING")
+        problem = conditioning_problem(model, cond)
+        if problem is not None:
+            raise _err(input_name, f"item {i} {problem}")
         ctx, extra = cond[0][0], cond[0][1]
         n = int(ctx.shape[0])
         for r in range(n):
@@ -112,10 +108,10 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
     if not conditionings:
         raise _err("conditioning", "no conditioning connected")
     rows, owner = _latent_rows(model, latents)
-    conds = _assign(_cond_rows(conditionings, "conditioning"), owner, len(latents), "conditioning")
+    conds = _assign(_cond_rows(model, conditionings, "conditioning"), owner, len(latents), "conditioning")
     classes: list[list | None] = [None] * len(rows)
     if class_conditionings:
-        classes = _assign(_cond_rows(class_conditionings, "class_conditioning"), owner, len(latents),
+        classes = _assign(_cond_rows(model, class_conditionings, "class_conditioning"), owner, len(latents),
                           "class_conditioning")
     samples = []
     for x0, cond, ccond in zip(rows, conds, classes):

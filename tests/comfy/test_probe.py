@@ -10,7 +10,7 @@ import torch
 
 from attention.stats import measure_call
 from comfy_harness import node_class, pack_module, run_graph
-from models import make_conditioning, make_latent, tiny_flux1
+from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 
 MULTIPLIER = 1.5
 
@@ -167,3 +167,16 @@ def test_probe_says_when_a_lora_is_merged_as_comfy_patches(pack):
         out = node.execute(model, make_latent(model), make_conditioning(model), 0.5, 0, 64)
     report = out.result[0]
     assert "1 weights carry ComfyUI patches" in report and "No Precision LoRA is attached" in report
+
+
+def test_latent_or_conditioning_of_another_model_is_named(pack):
+    """D7 (issue 13): a latent from another model failed with "too many values to unpack", a conditioning
+    with "mat1 and mat2 shapes cannot be multiplied"."""
+    node = node_class("PrecisionProbe")
+    cosmos, flux = tiny_cosmos(), tiny_flux1()
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionProbe: input 'latent' has shape \(1, 16, 8, 8\) "
+                                         r"but this model \(cosmos_predict2\) expects \(B, C, T, H, W\) with C=16"):
+        node.execute(cosmos, make_latent(flux), make_conditioning(cosmos), 0.5, 0, 64)
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionProbe: input 'conditioning' has context shape "
+                                         r"\(1, 8, 1024\) but this model \(flux1\) expects \(B, tokens, 64\)"):
+        node.execute(flux, make_latent(flux), make_conditioning(cosmos), 0.5, 0, 64)

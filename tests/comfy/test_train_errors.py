@@ -122,3 +122,19 @@ def test_settings_node_defaults_are_the_dataclass_defaults(env):
     schema = env.train.PrecisionTrainSettings.define_schema()
     defaults = {i.id: i.default for i in schema.inputs}
     assert defaults == env.Settings().to_dict()
+
+
+def test_conditioning_and_latents_of_another_model_are_named_not_a_shape_error(env):
+    """D7 (issue 13): conditioning from another model failed in the forward with "mat1 and mat2 shapes
+    cannot be multiplied"; a NaN latent trained on as if it were data."""
+    env.latent_list = [env.latent]
+    flux_cond = make_conditioning(tiny_flux1(), 1)
+    with pytest.raises(ValueError, match=r"PrecisionTrainLoRA: input 'conditioning': item 0 has context shape \(1, 8, 64\) "
+                                         r"but this model \(cosmos_predict2\) expects \(B, tokens, 1024\): it was encoded "
+                                         r"for another model; connect conditioning from this model's text encoder"):
+        _train(env, conds=[flux_cond])
+    with pytest.raises(ValueError, match=r"input 'class_conditioning': item 0 has context shape \(1, 8, 64\)"):
+        _train(env, class_conditioning=flux_cond)
+    nan_latent = {"samples": torch.full_like(env.latent["samples"], float("nan"))}
+    with pytest.raises(ValueError, match=r"input 'latents': latent 0 holds NaN/inf; encode the images again"):
+        _train(env, latents=[nan_latent])
