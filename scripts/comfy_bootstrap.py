@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,9 @@ def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
     if COMFY_DIR not in sys.path:
         sys.path.insert(0, COMFY_DIR)
     stub_torchvision_ops()
-    argv = list(argv or [])
+    # Extra ComfyUI arguments for every process the scripts and tests start, e.g. "--disable-dynamic-vram"
+    # or, on a machine without the frontend package, "--front-end-root DIR".
+    argv = [*(argv or []), *shlex.split(os.environ.get("PRECISION_LORA_COMFY_ARGS", ""))]
     import torch
 
     if not torch.cuda.is_available() and "--cpu" not in argv:
