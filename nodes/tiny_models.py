@@ -1,7 +1,9 @@
 """Tiny random-weight models built from ComfyUI's real model classes (tests and the demo server).
 
 Nothing here is downloaded or committed: weights come from a seeded generator. Cosmos-Predict2 files
-load through ComfyUI's stock detection (model_channels 192, 16 heads); Flux.1 / Flux.2 detection fixes
+load through ComfyUI's stock detection (model_channels 192, 16 heads), and so do Anima files (the same tiny
+DiT plus ComfyUI's LLM adapter at its one real size, ~135 M parameters; ComfyUI 0.33+ only, see
+docs/anima.md); Flux.1 / Flux.2 detection fixes
 heads at 24 x 128, so tiny Flux files carry their config in the safetensors metadata key
 ``precision_lora.unet_config``, which ``PrecisionLoadDiffusionModel`` reads (stock ComfyUI cannot load them).
 """
@@ -17,7 +19,7 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.model_patcher
 
-from .comfy_compat import fit_flux_config
+from .comfy_compat import comfyui_version, fit_flux_config, set_reload
 
 UNET_CONFIG_KEY = "precision_lora.unet_config"
 
@@ -42,18 +44,42 @@ TINY_UNET_CONFIGS["flux1_stock"] = {
     **TINY_UNET_CONFIGS["flux1_dev"], "hidden_size": 3072, "num_heads": 24, "axes_dim": [16, 56, 56],
     "context_in_dim": 4096, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 0,
 }
-STOCK_DETECTABLE = ("cosmos", "flux1_stock")  # files of these need no config in their metadata
+STOCK_DETECTABLE = ("cosmos", "anima", "flux1_stock")  # files of these need no config in their metadata
 COSMOS_CHANNELS = 192
 COSMOS_BLOCKS = 10
-FAMILIES = ("cosmos", *TINY_UNET_CONFIGS)
+FAMILIES = ("cosmos", "anima", *TINY_UNET_CONFIGS)
+# The key by which ComfyUI's detection tells an Anima file from a plain Cosmos-Predict2 one.
+ANIMA_ADAPTER_KEY = "llm_adapter.blocks.0.cross_attn.q_proj.weight"
 
 
-def cosmos_unet_config() -> dict:
-    """The config ComfyUI's own detection derives for a 192-channel Cosmos-Predict2 (Anima) DiT."""
+def cosmos_unet_config(anima: bool = False) -> dict:
+    """The config ComfyUI's own detection derives for a 192-channel Cosmos-Predict2 DiT (``anima``: with
+    Anima's LLM adapter)."""
     # Newer ComfyUI counts the blocks in the file; 0.3.75 takes MiniTrainDIT's default of 10.
     probe = {f"blocks.{i}.mlp.layer1.weight": torch.empty(0) for i in range(COSMOS_BLOCKS)}
     probe["x_embedder.proj.1.weight"] = torch.empty(COSMOS_CHANNELS, 4 * 17)
+    if anima:
+        probe[ANIMA_ADAPTER_KEY] = torch.empty(0)
     return comfy.model_detection.detect_unet_config(probe, "")
+
+
+def anima_unavailable() -> str | None:
+    """Why this ComfyUI cannot build Anima (it has no ``comfy.ldm.anima``: 0.3.75), or None."""
+    try:
+        import comfy.ldm.anima.model  # noqa: F401
+    except ImportError:
+        return f"Anima does not exist in ComfyUI {'.'.join(map(str, comfyui_version()))}"
+    return None
+
+
+def anima_unet_config() -> dict:
+    """The config ComfyUI's detection derives for a tiny Anima: the 192-channel DiT + the LLM adapter."""
+    reason = anima_unavailable()
+    config = cosmos_unet_config(anima=True) if reason is None else None
+    if config is None or config.get("image_model") != "anima":
+        raise ValueError(f"[Precision LoRA] tiny model family 'anima': {reason or 'detection did not give anima'}; "
+                         "use ComfyUI 0.33 or newer")
+    return config
 
 
 def cosmos_width_config(width: int, blocks: int) -> dict:
@@ -67,6 +93,8 @@ def cosmos_width_config(width: int, blocks: int) -> dict:
 def unet_config_for(family: str) -> dict:
     if family == "cosmos":
         return cosmos_unet_config()
+    if family == "anima":
+        return anima_unet_config()
     if family not in TINY_UNET_CONFIGS:
         raise ValueError(f"[Precision LoRA] unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
     return fit_flux_config(TINY_UNET_CONFIGS[family])
@@ -123,7 +151,13 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
             sd = tiny_state_dict(patcher)
             patcher = build_model_from_config(config, None, dtype)
             patcher.model.load_model_weights(sd, "")
-    return patcher
+    return set_reload(patcher, _rebuild_tiny, family, seed, dtype, unet_config)
+
+
+def _rebuild_tiny(family: str, seed: int, dtype: torch.dtype, unet_config: dict | None,
+                  disable_dynamic: bool = False) -> comfy.model_patcher.ModelPatcher:
+    """The same tiny model again (seeded weights), for ComfyUI's deep copies (``comfy_compat.set_reload``)."""
+    return build_tiny_model(family, seed, dtype, unet_config)
 
 
 def tiny_state_dict(patcher: comfy.model_patcher.ModelPatcher) -> dict[str, torch.Tensor]:

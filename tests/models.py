@@ -1,9 +1,12 @@
 """Tiny real ComfyUI models and matching data for tests (built at test time, never committed).
 
 Every model is a ComfyUI ModelPatcher around ComfyUI's real model class (Flux.1 dev/schnell, Flux.2,
-Cosmos-Predict2), fp32 by default, with seeded random weights that are ordinary (trainable) tensors.
+Cosmos-Predict2, Anima on ComfyUI 0.33+), fp32 by default, with seeded random weights that are ordinary
+(trainable) tensors.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -15,7 +18,7 @@ def _tiny():
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """family: "cosmos", "flux1_dev", "flux1_schnell", "flux2"."""
+    """family: "cosmos", "anima", "flux1_dev", "flux1_schnell", "flux2"."""
     return _tiny().build_tiny_model(family, seed, dtype)
 
 
@@ -36,9 +39,28 @@ def make_latent(model, batch: int = 1, width: int = 64, height: int = 64, seed: 
     return pack_module("nodes.test_data").make_latent(model, width, height, batch, seed)
 
 
+def tiny_anima(seed: int = 0, dtype: torch.dtype = torch.float32):
+    return tiny_model("anima", seed, dtype)
+
+
+def is_anima(model) -> bool:
+    return hasattr(model.model.diffusion_model, "llm_adapter")
+
+
+def anima_extras(text: str, seed: int = 0, tokens: int = 8) -> dict:
+    """What ComfyUI's Anima text encoder adds to a CONDITIONING: T5 token ids (tokens,) int32 and their
+    weights (tokens,) fp32, one row shared by the batch (as ``comfy.text_encoders.anima`` writes them)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{text}".encode()))
+    ids = torch.randint(0, 32128, (tokens,), generator=gen, dtype=torch.int32)
+    return {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(tokens)}
+
+
 def make_conditioning(model, batch: int = 1, text: str = "a photo of sks", seed: int = 0, tokens: int = 8) -> list:
-    """CONDITIONING [[context (batch, tokens, width), {"pooled_output": ..., "guidance": ...}]]."""
+    """CONDITIONING [[context (batch, tokens, width), {"pooled_output": ..., "guidance": ...}]]; Anima
+    conditioning also carries ``anima_extras`` (so its LLM adapter runs, as with the real text encoder)."""
     cond = pack_module("nodes.test_data").make_conditioning(model, text, seed, tokens)
+    if is_anima(model):
+        cond = [[cond[0][0], {**cond[0][1], **anima_extras(text, seed, tokens)}]]
     if batch > 1:
         context, extra = cond[0]
         extra = dict(extra)
