@@ -7,7 +7,10 @@ from dataclasses import dataclass
 FAMILY_BY_CONFIG = {
     "Flux": "flux1", "FluxSchnell": "flux1", "FluxInpaint": "flux1", "Flux2": "flux2",
     "Chroma": "chroma", "ChromaRadiance": "chroma",
-    "CosmosT2IPredict2": "cosmos_predict2", "CosmosI2VPredict2": "cosmos_predict2", "Anima": "cosmos_predict2",
+    "CosmosT2IPredict2": "cosmos_predict2", "CosmosI2VPredict2": "cosmos_predict2",
+    # Anima (ComfyUI 0.33+) is a Cosmos-Predict2 DiT plus an LLM adapter: its own family, so a LoRA that
+    # holds adapter keys is not labelled as a Cosmos-Predict2 LoRA; its presets are Cosmos's (targets.py).
+    "Anima": "anima",
     "QwenImage": "qwen_image", "Lumina2": "lumina2", "ZImage": "lumina2", "HiDream": "hidream",
     "SD15": "sd15", "SDXL": "sdxl", "SD3": "sd3",
 }

@@ -37,7 +37,8 @@ from .model_info import describe_model
 log = logging.getLogger(__name__)
 
 # Families whose blocks add residuals in place (COMFYUI.md §4); unknown families are treated the same.
-CLEAN_FAMILIES = {"cosmos_predict2", "qwen_image", "wan", "lumina2", "sd3"}
+# Anima: Cosmos-Predict2 blocks + an LLM adapter whose blocks add out of place (tests/comfy/test_anima.py).
+CLEAN_FAMILIES = {"cosmos_predict2", "anima", "qwen_image", "wan", "lumina2", "sd3"}
 BLOCK_LISTS = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "layers", "joint_blocks")
 
 
