@@ -55,6 +55,27 @@ def anima_extras(text: str, seed: int = 0, tokens: int = 8) -> dict:
     return {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(tokens)}
 
 
+# A Qwen3 of Qwen3-0.6B's width (1024, what Anima's adapter reads) with one small layer and a cut vocabulary
+# (the ids of short English prompts are far below 32768), set through ComfyUI's own per-encoder config option.
+TINY_QWEN3 = {"num_hidden_layers": 1, "vocab_size": 32768, "intermediate_size": 256, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+
+
+def tiny_anima_text_encoder(seed: int = 0):
+    """A CLIP from ComfyUI's text-encoder loader for a random tiny Qwen3 state dict: ComfyUI detects it as
+    Qwen3-0.6B and builds Anima's text encoder (``comfy.text_encoders.anima``) with ``TINY_QWEN3``."""
+    import comfy.ops
+    import comfy.sd
+    import comfy.text_encoders.llama
+
+    shapes = comfy.text_encoders.llama.Qwen3_06B(TINY_QWEN3, torch.float32, "meta", comfy.ops.manual_cast).state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    sd = {k: (torch.randn(v.shape, generator=gen) * 0.05 if v.ndim > 1 else 1.0 + 0.1 * torch.randn(v.shape, generator=gen))
+          for k, v in shapes.items()}
+    return comfy.sd.load_text_encoder_state_dicts([sd], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
+                                                  model_options={"qwen3_06b_model_config": TINY_QWEN3})
+
+
 def make_conditioning(model, batch: int = 1, text: str = "a photo of sks", seed: int = 0, tokens: int = 8) -> list:
     """CONDITIONING [[context (batch, tokens, width), {"pooled_output": ..., "guidance": ...}]]; Anima
     conditioning also carries ``anima_extras`` (so its LLM adapter runs, as with the real text encoder)."""
