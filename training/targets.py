@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .checks import show
 from .regex import Matcher, compile_user_regex
 
 # One registry: family -> preset -> regexes matched with re.fullmatch against module paths.
@@ -44,7 +45,7 @@ FAMILY_ALIASES: dict[str, str] = {
 BLOCK_GROUPS = ("double_blocks", "single_blocks", "transformer_blocks", "joint_blocks", "blocks", "layers",
                 "input_blocks", "middle_block", "output_blocks")
 _BLOCK_RE = re.compile(r"(?:^|\.)(" + "|".join(BLOCK_GROUPS) + r")\.(\d+)(?:\.|$)")
-_ITEM_RE = re.compile(r"^(?:([a-z_]+):)?(\d+)(?:-(\d+))?$")
+_ITEM_RE = re.compile(r"(?:([a-z_]+):)?(\d{1,6})(?:-(\d{1,6}))?")  # block indices have at most 6 digits
 
 
 def preset_names() -> list[str]:
@@ -83,10 +84,10 @@ def parse_blocks(spec: str) -> tuple[BlockRange, ...]:
         item = item.strip().replace(" ", "")
         if not item:
             continue
-        m = _ITEM_RE.match(item)
+        m = _ITEM_RE.fullmatch(item)
         if m is None or (m.group(1) is not None and m.group(1) not in BLOCK_GROUPS):
             raise ValueError(
-                f"[Precision LoRA] blocks filter item {item!r} is invalid: use 'N', 'N-M' or '<group>:N-M' with group "
+                f"[Precision LoRA] blocks filter item {show(item)} is invalid: use 'N', 'N-M' or '<group>:N-M' with group "
                 f"in {list(BLOCK_GROUPS)}, separated by commas (e.g. 'double_blocks:0-5, single_blocks:0-9')"
             )
         start = int(m.group(2))

@@ -85,3 +85,17 @@ def test_preset_not_in_family_and_unknown_family():
     generic = select_targets({"layers.0.attn.to_q": (8, 8), "layers.0.ff.net": (8, 8)}, "sdxl", "attention")
     assert list(generic) == ["layers.0.attn.to_q"]
     assert preset_names()[0] == "attention"
+
+
+def test_block_indices_are_bounded_and_named_in_the_error():
+    """Issue 13 fuzzing: a 5000-digit block index raised Python's int-conversion limit error, naming neither
+    the input nor a fix."""
+    import pytest
+
+    from training.targets import parse_blocks
+
+    with pytest.raises(ValueError, match=r"blocks filter item '9999.*\(5000 characters\) is invalid: use 'N', 'N-M'"):
+        parse_blocks("9" * 5000)
+    with pytest.raises(ValueError, match=r"blocks filter item '0\\n1' is invalid"):
+        parse_blocks("0\n1")
+    assert parse_blocks("double_blocks:0-5, 7")[1].start == 7
