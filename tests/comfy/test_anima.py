@@ -56,9 +56,10 @@ def model_file(pack, pack_module):
     reason = pack_module("nodes.tiny_models").anima_unavailable()
     if reason:
         pytest.skip(reason)
-    folder = folder_paths.get_folder_paths("diffusion_models")[0]
-    write_model_file("anima", os.path.join(folder, FILE))
-    return FILE
+    path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], FILE)
+    write_model_file("anima", path)
+    yield FILE
+    os.remove(path)  # 600 MB; the test base directory outlives the run
 
 
 @pytest.fixture(scope="module")
