@@ -4,9 +4,9 @@ Blocked online softmax: (batch, head group, query chunk) blocks, keys in tiles, 
 block is about 2 MiB whatever the sequence length: memory O(rows × tile).
 In each tile the running row max r is updated; when two or more logits of the row lie within ``tau``
 of r (a tie or near-tie, which would make bf16(P̄) == 1 twice), the offset becomes m = r + Δ with a
-row-dependent Δ ≈ (β−1)·r if r > 0 else −r, kept in [0.01, 60] (see ``row_shift``), so no
-P̄ = exp(S − m) reaches 1. Softmax is shift-invariant, so in exact arithmetic the output is
-unchanged; the bounds keep ℓ > 0 (no NaN for row maxima in the hundreds) and handle r == 0.
+row-dependent Δ ≈ (β−1)·r if r > 0 else −r, plus a deterministic per-row jitter, kept in [0.01, 60]
+([0.01, 4] for fp16 P̄; see ``row_shift``), so no P̄ = exp(S − m) reaches 1. Softmax is
+shift-invariant, so in exact arithmetic the output is unchanged; the bounds keep ℓ > 0 (no NaN for row maxima in the hundreds) and handle r == 0.
 
 Where P̄ is rounded: for bf16/fp16 inputs P̄ is cast to the input dtype for the P̄·V product (as flash
 kernels do; ℓ is summed from the fp32 P̄), which is where the bias arises and the shift acts. For
@@ -28,11 +28,14 @@ from .masks import additive_mask, from_bhld, prepare_mask, to_bhld
 TIE_TOLERANCE = 0.00196  # > -ln(1 - 2**-9): any logit this close to the max gives bf16(P̄) == 1
 SHIFT_MIN = 0.01
 SHIFT_MAX = 60.0
+SHIFT_MAX_FP16 = 4.0  # fp16 P̄ would underflow at Δ > ~9.7 (2^-14): keep the tied e^-Δ >= e^-4 normal
 EMULATIONS = ("none", "kernel", "paper")
 BLOCK_ELEMENTS = 1 << 19  # fp32 logits per block (2 MiB): stays in cache / out of mmap territory
 DEFAULT_TILE = 1024  # keys per tile
 QUERY_CHUNK = 256  # query rows per block (more heads per block instead)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+ROW_JITTER = 0.5  # spread of Δ's per-row component: ~90 bf16 rounding steps of exp(-Δ) (see row_jitter)
+GOLDEN_16 = 40503  # round(2**16 / φ): the golden-ratio (Kronecker) sequence in 16-bit fixed point
 
 
 @dataclass(frozen=True)
@@ -87,21 +90,40 @@ def _mask_block(mask: torch.Tensor | None, block: Block) -> torch.Tensor | None:
     return mask[index]
 
 
-def row_shift(r: torch.Tensor, beta: float) -> torch.Tensor:
-    """Δ for row maxima ``r``: (β−1)·r for r > 0, −r for r <= 0 (the paper's m = β·r or m = 0), kept in
-    [0.01, 60] by a *folded* clamp: below 0.01 it becomes 0.01 + raw, above 60 it becomes
-    60 − frac(raw). A hard clamp would give many rows the same Δ, hence the same relative bf16 rounding
-    of their tied P̄ = exp(−Δ), which brings the bias back (PRECISION.md §3); folding keeps Δ
-    row-dependent while bounding it (so ℓ >= e^-60 > 0 in fp32: no NaN)."""
-    raw = torch.where(r > 0, (beta - 1.0) * r, -r)
+def row_jitter(rows: torch.Tensor) -> torch.Tensor:
+    """Δ's deterministic per-row component for global row indices ``rows`` (any int shape, flat
+    (b·H + h)·Lq + i over bhld): ROW_JITTER · frac(rows / φ), exact in 16-bit fixed point, fp32 in
+    [0, ROW_JITTER). The golden-ratio sequence spreads any run of consecutive rows evenly, so the
+    relative bf16 rounding of the tied P̄ = exp(−Δ) averages out even when every row has the same max."""
+    fixed = (rows.to(torch.int64) * GOLDEN_16) & 0xFFFF
+    return fixed.to(torch.float32) * (ROW_JITTER / 65536.0)
+
+
+def shift_max(pv_dtype: torch.dtype | None) -> float:
+    """Upper bound of Δ when P̄ is rounded to ``pv_dtype``: 60 (bf16 has fp32's exponent range), 4 for
+    fp16, whose P̄ = e^-Δ would leave the normal range at Δ > 9.7 and vanish at Δ > 16.6."""
+    return SHIFT_MAX_FP16 if pv_dtype == torch.float16 else SHIFT_MAX
+
+
+def row_shift(
+    r: torch.Tensor, beta: float, jitter: torch.Tensor | float = 0.0, high: float = SHIFT_MAX,
+) -> torch.Tensor:
+    """Δ for row maxima ``r`` and per-row ``jitter`` (``row_jitter``): d = raw + jitter with
+    raw = (β−1)·r for r > 0, −r for r <= 0 (the paper's m = β·r or m = 0), kept in [0.01, 60] by a
+    *folded* clamp: below 0.01 it becomes 0.01 + d, above ``high`` (60; ``shift_max``) high − frac(d).
+    Δ must differ between rows (PRECISION.md §3): rows sharing a Δ share the relative bf16 rounding of
+    their tied P̄ = exp(−Δ), and over few distinct Δ that rounding has a nonzero mean, which is the bias
+    again. A hard clamp would give every row above the bound one Δ (hence the fold); row maxima on a
+    coarse grid give few distinct raw values (hence the jitter). Both keep ℓ >= e^-60 > 0 in fp32."""
+    raw = torch.where(r > 0, (beta - 1.0) * r, -r) + jitter
     low = raw + SHIFT_MIN
-    high = SHIFT_MAX - torch.frac(raw)
-    return torch.where(raw < SHIFT_MIN, low, torch.where(raw > SHIFT_MAX, high, raw))
+    folded = high - torch.frac(raw)
+    return torch.where(raw < SHIFT_MIN, low, torch.where(raw > high, folded, raw))
 
 
-def _row_offset(r: torch.Tensor, tied: torch.Tensor, beta: float) -> torch.Tensor:
+def _row_offset(r: torch.Tensor, tied: torch.Tensor, beta: float, jitter: torch.Tensor, high: float) -> torch.Tensor:
     """m for each row: r, or r + Δ on tied rows."""
-    return torch.where(tied, r + row_shift(r, beta), r)
+    return torch.where(tied, r + row_shift(r, beta, jitter, high), r)
 
 
 def _logits(q: torch.Tensor, kt_tile: torch.Tensor, softclamp: float, mask_tile: torch.Tensor | None) -> torch.Tensor:
@@ -131,10 +153,12 @@ def _tile_product(p: torch.Tensor, v_tile: torch.Tensor, emulate: str, pv_dtype:
 
 def _forward_rows(
     qs: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, opts: StableOptions, tile: int,
-    pv_dtype: torch.dtype | None, shift: bool,
+    pv_dtype: torch.dtype | None, jitter: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Online softmax of one chunk of query rows over all key tiles (kt = kᵀ, (B,H,D,Lk))."""
+    """Online softmax of one chunk of query rows over all key tiles (kt = kᵀ, (B,H,D,Lk)).
+    ``jitter``: the rows' ``row_jitter`` (B,H,rows,1), or None for the plain (unshifted) softmax."""
     lk = kt.shape[3]
+    shift = jitter is not None
     r = m = l = acc = count = None
     triggered = torch.zeros(qs.shape[:-1] + (1,), dtype=torch.bool, device=qs.device) if shift else None
     for start in range(0, lk, tile):
@@ -149,7 +173,7 @@ def _forward_rows(
             count = near if count is None else torch.where(r >= r_new - opts.tau, count, 0) + near
             tied = (count > 1) & live
             triggered |= tied
-            m_new = _row_offset(r_safe, tied, opts.beta)
+            m_new = _row_offset(r_safe, tied, opts.beta, jitter, shift_max(pv_dtype))
         else:
             m_new = r_safe
         p = s.sub_(m_new).exp_()
@@ -185,9 +209,12 @@ def stable_forward(
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:-1] + (1,), dtype=torch.float32, device=q.device)
     triggered = torch.zeros(q.shape[:-1] + (1,), dtype=torch.bool, device=q.device)
+    b, h, lq = q.shape[:3]
+    jitter = row_jitter(torch.arange(b * h * lq, device=q.device).view(b, h, lq, 1)) if shift else None
     for bs, hs, rows in blocks:
         o, l, trig = _forward_rows(q[bs, hs, rows] * scale, kt[bs, hs], v[bs, hs],
-                                   _mask_block(mask, (bs, hs, rows)), opts, tile, pv_dtype, shift)
+                                   _mask_block(mask, (bs, hs, rows)), opts, tile, pv_dtype,
+                                   None if jitter is None else jitter[bs, hs, rows])
         out[bs, hs, rows] = o
         lse[bs, hs, rows] = l
         if shift:
