@@ -84,7 +84,14 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, ma
 
 def _stable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, mask: torch.Tensor | None = None,
         layout: str = "bhld", softclamp: float = 0.0, beta: float = 2.0) -> torch.Tensor:
+    """The fused Triton kernel (attention.stable_triton, imported here lazily) for fp16/bf16 CUDA
+    tensors when triton is installed; otherwise, and for softclamp, the PyTorch path."""
     opts = StableOptions(beta=beta, softclamp=softclamp)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _module_present("triton"):
+        from .stable_triton import fused_stable_attention, unsupported_reason
+
+        if unsupported_reason(to_bhld(q, layout), to_bhld(k, layout), to_bhld(v, layout), opts) is None:
+            return fused_stable_attention(q, k, v, scale=scale, mask=mask, layout=layout, options=opts)
     return stable_attention(q, k, v, scale=scale, mask=mask, layout=layout, options=opts)
 
 
@@ -144,7 +151,8 @@ def _xformers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", _sdpa, True, True, False, (), "torch scaled_dot_product_attention"),
     "math": Backend("math", _math, True, True, False, (), "fp32-softmax reference, exact masks, softclamp"),
-    "stable": Backend("stable", _stable, True, True, False, (), "tiled stable softmax (Qiu & Yao fix)"),
+    "stable": Backend("stable", _stable, True, True, False, (),
+                      "stable softmax (Qiu & Yao fix): fused Triton kernel on CUDA, tiled PyTorch elsewhere"),
     "flash": Backend("flash", _flash, True, False, True, (("flash_attn", "flash-attn"),), "flash-attn"),
     "sage": Backend("sage", _sage, False, False, True, (("sageattention", "sageattention"),), "SageAttention, inference only"),
     "xformers": Backend("xformers", _xformers, True, True, True, (("xformers", "xformers"),), "xformers memory-efficient"),

@@ -81,18 +81,37 @@ def scale_table(cfg: dict, head_dim: int = 128, seed: int = 0) -> list[dict]:
     return rows
 
 
-def _bias_logits(case: str, rows: int, keys: int, gen: torch.Generator) -> torch.Tensor:
+def bias_logits(case: str, rows: int, keys: int, gen: torch.Generator, levels: int = 0,
+                shuffle: bool = False) -> torch.Tensor:
     """(rows, keys) logits: a sink at 4 + N(0,1)·0.5 tied at 2 or 4 keys (exactly or within 0.0015), others
-    N(0, 1) − 8, i.e. about 12 below the sink (sink-dominated rows); ``diffuse``: all N(0, 1)·0.1."""
+    N(0, 1) − 8, i.e. about 12 below the sink (sink-dominated rows); ``diffuse``: all N(0, 1)·0.1.
+    ``levels`` > 0 puts the sink on that many distinct values (a coarse grid over [2.5, 5.5]).
+    ``shuffle`` permutes each row's keys (the sinks land on different keys per row), so that a rounded
+    (bf16) output does not round the same few values of V in every row."""
     s = torch.randn(rows, keys, generator=gen) - 8.0
     if case == "diffuse":
         return torch.randn(rows, keys, generator=gen) * 0.1
     ties = 4 if case.startswith("4") else 2
     sink = 4.0 + 0.5 * torch.randn(rows, 1, generator=gen)
+    if levels > 0:
+        step = 3.0 / levels
+        sink = 2.5 + step * (torch.clamp(torch.floor((sink - 2.5) / step), 0, levels - 1) + 0.5)
     s[:, :ties] = sink
     if "near" in case:
         s[:, 1:ties] -= torch.rand(rows, ties - 1, generator=gen) * 0.0015
+    if shuffle:
+        s = torch.gather(s, 1, torch.rand(rows, keys, generator=gen).argsort(dim=1))
     return s
+
+
+def split_bf16(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 inputs whose product reproduces fp32 logits: q = [hi, lo] (rows, 2·keys) with hi = bf16(s),
+    lo = bf16(s − hi), and k = [I, I] (keys, 2·keys), so q·kᵀ = hi + lo = s within ~2^-16·|s| (an fp32
+    accumulator adds it exactly). Keeps near-ties that bf16 logits would merge, for bf16 kernels."""
+    hi = s.to(torch.bfloat16)
+    lo = (s - hi.float()).to(torch.bfloat16)
+    eye = torch.eye(s.shape[-1], dtype=torch.bfloat16)
+    return torch.cat([hi, lo], dim=-1), torch.cat([eye, eye], dim=-1)
 
 
 BIAS_CASES = (  # (label, logits case, emulation, V mean, V columns)
@@ -118,7 +137,7 @@ def bias_table(cfg: dict, keys: int = 64, seed: int = 0) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for label, case, emulate, v_mean, columns in BIAS_CASES:
-        s = _bias_logits(case, cfg["bias_rows"], keys, gen)
+        s = bias_logits(case, cfg["bias_rows"], keys, gen)
         v = v_mean + 0.5 * torch.randn(keys, columns, generator=gen)
         standard = _bias(s, v, StableOptions(shift=False, emulate=emulate))
         fixed = _bias(s, v, StableOptions(beta=2.0, tau=TIE_TOLERANCE, emulate=emulate))
