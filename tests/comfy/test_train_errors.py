@@ -138,3 +138,25 @@ def test_conditioning_and_latents_of_another_model_are_named_not_a_shape_error(e
     nan_latent = {"samples": torch.full_like(env.latent["samples"], float("nan"))}
     with pytest.raises(ValueError, match=r"input 'latents': latent 0 holds NaN/inf; encode the images again"):
         _train(env, latents=[nan_latent])
+
+
+def test_an_exploding_run_fails_with_the_reason_and_says_so_in_its_done_event(env, one_thread):
+    """D3 (issue 13): 67 of 80 steps skipped and 20 rollbacks with LoRA weights at 1.4e10 reported success,
+    and the next node saved the LoRA as a good result."""
+    import comfy_harness
+
+    events = comfy_harness.server().events
+    before = len(events)
+    diverge = env.Settings(learning_rate=10.0, max_grad_norm=0.0, loraplus_ratio=100.0)
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionTrainLoRA: the run failed \(failed: 12 steps, "
+                                         r"\d+ skipped, \d+ rollbacks, largest \|LoRA weight\| .*\): the LoRA exploded: "
+                                         r"its largest \|weight\| is .*, above the bound 1000 .* lower learning_rate"):
+        _train(env, latents=[env.latent], steps=12, settings=diverge)
+    done = [data for event, data, *_ in events[before:] if event == "precision_lora.train_done"]
+    assert done and done[-1]["failed"] is True and done[-1]["outcome"].startswith("failed: 12 steps")
+
+
+def test_a_healthy_run_records_its_outcome_in_the_lora_metadata(env, one_thread):
+    out = _train(env, latents=[env.latent], steps=2, settings=env.Settings(learning_rate=1e-3))
+    lora_set = env.glue.get_lora_set(out.result[0])
+    assert lora_set.info["precision_lora_outcome"].startswith("ok: 2 steps, 0 skipped, 0 rollbacks")
