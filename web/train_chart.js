@@ -24,8 +24,9 @@ const seriesByNode = new Map();
 function viewFor(nodeId) {
   const graph = app.graph;
   if (!graph) return null;
+  // Frontend 1.32 (ComfyUI 0.3.75) keys nodes by number, 1.49 (ComfyUI 0.33) by string: try both forms.
   const n = Number(nodeId);
-  const node = Number.isInteger(n) ? graph.getNodeById(n) : null;
+  const node = graph.getNodeById(String(nodeId)) ?? (Number.isInteger(n) ? graph.getNodeById(n) : null);
   return node?.precisionChart ?? null;
 }
 

@@ -151,7 +151,8 @@ DROP_WORKFLOW = """async ({ name, text }) => {
 # Truthy once the graph holds exactly the wanted node ids; reports dialogs and unknown node types.
 GRAPH_LOADED = """(wantIds) => {
   const app = window.comfyAPI.app.app;
-  const ids = app.graph.nodes.map((n) => n.id).sort((a, b) => a - b);
+  // numbers in frontend 1.32 (ComfyUI 0.3.75), strings in 1.49 (ComfyUI 0.33)
+  const ids = app.graph.nodes.map((n) => Number(n.id)).sort((a, b) => a - b);
   if (JSON.stringify(ids) !== JSON.stringify(wantIds)) return false;
   const seen = window.__precisionDialogs || { missingNodes: [], missingModels: [] };
   const dialogs = [...document.querySelectorAll(".p-dialog")]

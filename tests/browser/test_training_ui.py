@@ -249,7 +249,8 @@ def test_inference_workflow_runs_from_the_page_on_the_trained_lora(training_run,
 
 PROBE_TEXT = """() => {
   const node = window.comfyAPI.app.app.graph.nodes.find((n) => n.type === "PreviewAny");
-  const w = node?.widgets?.find((x) => x.name === "preview");
+  // the widget is "preview" in frontend 1.32 (ComfyUI 0.3.75); 1.49 (ComfyUI 0.33) names it differently
+  const w = node?.widgets?.find((x) => x.name === "preview" || (typeof x.value === "string" && x.value.length > 40));
   const text = typeof w?.value === "string" ? w.value : "";
   return text.length > 40 ? text : false;
 }"""
