@@ -59,12 +59,13 @@ setup_shipped_host() {
   mkdir -p "$HOSTS_ROOT/$HOST_NAME"
   [ -x "$HOST_PY" ] || { log "creating $HOST_VENV"; python3 -m venv "$HOST_VENV"; }
   local stamp="$HOST_VENV/.precision_lora_deps" want
-  want="$(cat "$HOST_LOCK" "$CONSTRAINTS" "$TEST_REQS" | sha1sum | cut -c1-16)"
+  want="$(cat "$HOST_LOCK" "$CONSTRAINTS" "$TEST_REQS" "$ROOT/requirements.txt" | sha1sum | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "ComfyUI $HOST_NAME: installing torch==2.13.0 (CPU) and its runtime requirements (a few minutes the first time)"
     quiet_pip install -q --upgrade pip wheel >/dev/null
     quiet_pip install -q -c "$CONSTRAINTS" torch==2.13.0
     quiet_pip install -q -c "$CONSTRAINTS" -r "$HOST_LOCK"
+    quiet_pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements.txt"  # the pack's own, as a user installs them
     quiet_pip install -q -c "$CONSTRAINTS" -r "$TEST_REQS"
     # torchvision: only its pure-Python parts are used by ComfyUI; the CUDA-linked wheel's C++ ops are
     # replaced by schema stubs in scripts/comfy_bootstrap.py (never by editing site-packages).
