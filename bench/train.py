@@ -118,7 +118,7 @@ def builtin_inputs(model, latents, cond, args, steps: int) -> dict:
     schema = TrainLoraNode.define_schema()
     values = {i.id: getattr(i, "default", None) for i in schema.inputs}
     dtype = "fp32" if args.dtype == "fp32" else "bf16"  # its compute dtype = the model's; LoRA in fp32 like ours
-    values.update(model=model, latents=latents, positive=cond, batch_size=1, steps=steps,
+    values.update(model=model, batch_size=1, steps=steps,
                   grad_accumulation_steps=1, learning_rate=1e-4, rank=args.rank, optimizer="AdamW",
                   loss_function="MSE", seed=0, training_dtype=dtype, lora_dtype="fp32", algorithm="LoRA",
                   gradient_checkpointing=args.checkpointing, existing_lora="[None]")
@@ -127,7 +127,13 @@ def builtin_inputs(model, latents, cond, args, steps: int) -> dict:
             raise SystemExit(f"bench/train.py: TrainLoraNode of this ComfyUI has no input {key!r} "
                              f"(inputs: {', '.join(values)})")
         values[key] = value
-    return {k: (v if k == "latents" else [v]) for k, v in values.items()}
+    lists = {"latents": latents, "positive": [cond]}
+    if values.get("bucket_mode"):  # ResolutionBucket's format: a LATENT per bucket, a conditioning per image
+        import torch
+
+        samples = torch.cat([latent["samples"] for latent in latents])
+        lists = {"latents": [{"samples": samples}], "positive": [cond] * samples.shape[0]}
+    return {k: lists.get(k, [v]) for k, v in values.items()}
 
 
 def parse_variant(spec: str) -> dict:
