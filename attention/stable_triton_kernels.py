@@ -29,6 +29,27 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _tile(ptr, rows, cols, row_stride, n_rows, n_cols):
+    """(len(rows), len(cols)) tile of a matrix with unit column stride; zeros outside n_rows × n_cols."""
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def _tile_t(ptr, rows, cols, row_stride, n_rows, n_cols):
+    """The same tile transposed, (len(cols), len(rows)), read straight from memory."""
+    return tl.load(ptr + rows[None, :] * row_stride + cols[:, None],
+                   mask=(rows[None, :] < n_rows) & (cols[:, None] < n_cols), other=0.0)
+
+
+@triton.jit
+def _program(H):
+    """(program index along axis 0, b·H + h, b and h as int64 for the base offsets)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    return pid, pid_bh, (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+
+
+@triton.jit
 def _row_jitter(rows, jitter):
     """``attention.stable.row_jitter`` of global row indices: jitter · frac(rows / φ) in 16-bit fixed point."""
     return ((rows.to(tl.int64) * GOLDEN_16) & 0xFFFF).to(tl.float32) * (jitter / 65536.0)
@@ -67,12 +88,10 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse,
                 HAS_MASK: tl.constexpr, SHIFT: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over key tiles with the stable shift; writes Out (input dtype) and Lse."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    pid_m, pid_bh, b, h = _program(H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d, offs_dv, offs_j = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
+    q = _tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, LQ, D)
     k_ptr, v_ptr, mask_base = K + b * skb + h * skh, V + b * svb + h * svh, b * smb + h * smh
     row_jit = _row_jitter(pid_bh * LQ + offs_m, jitter)  # rows (b·H + h)·LQ + i, as in attention.stable
     r = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -82,8 +101,7 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(0, LK, BLOCK_N):
         offs_n = start + offs_j
-        kt = tl.load(k_ptr + offs_n[None, :] * skn + offs_d[:, None],
-                     mask=(offs_n[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
+        kt = _tile_t(k_ptr, offs_n, offs_d, skn, LK, D)
         s = _logits(q, kt, Mask, mask_base, offs_m, offs_n, smm, smn, LQ, LK, qk_scale, HAS_MASK, IEEE, EVEN_N)
         r_new = tl.maximum(r, tl.max(s, 1))
         live = r_new > float("-inf")
@@ -98,8 +116,7 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse,
         # m_new >= r_new >= r and m <= r + 60·log2 e: the factor is at most 2^87, no overflow.
         alpha = tl.where(l > 0, tl.exp2(m - m_new), 0.0)
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs_n[:, None] * svn + offs_dv[None, :],
-                    mask=(offs_n[:, None] < LK) & (offs_dv[None, :] < DV), other=0.0)
+        v = _tile(v_ptr, offs_n, offs_dv, svn, LK, DV)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         r, m = r_new, m_new
     alive = l > 0
@@ -114,13 +131,11 @@ def _fwd_kernel(Q, K, V, Mask, Out, Lse,
 def _bwd_delta_kernel(Out, dOut, Delta, sob, soh, som, sdb, sdh, sdm, H, LQ, DV,
                       BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Delta = rowsum(dO ∘ O) in fp32, (B·H, LQ)."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    pid_m, pid_bh, b, h = _program(H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    inside = (offs_m[:, None] < LQ) & (offs_dv[None, :] < DV)
-    o = tl.load(Out + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :], mask=inside, other=0.0)
-    do = tl.load(dOut + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :], mask=inside, other=0.0)
+    o = _tile(Out + b * sob + h * soh, offs_m, offs_dv, som, LQ, DV)
+    do = _tile(dOut + b * sdb + h * sdh, offs_m, offs_dv, sdm, LQ, DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + pid_bh * LQ + offs_m, delta, mask=offs_m < LQ)
 
@@ -141,21 +156,17 @@ def _bwd_dkdv_kernel(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                      HAS_MASK: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dK, dV of one key block, looping over query blocks; P = exp2(s₂ − Lse) recomputed (transposed)."""
-    pid_n, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    pid_n, pid_bh, b, h = _program(H)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d, offs_dv, offs_i = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_M)
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :],
-                mask=(offs_n[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_dv[None, :],
-                mask=(offs_n[:, None] < LK) & (offs_dv[None, :] < DV), other=0.0)
+    k = _tile(K + b * skb + h * skh, offs_n, offs_d, skn, LK, D)
+    v = _tile(V + b * svb + h * svh, offs_n, offs_dv, svn, LK, DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     q_ptr, do_ptr, mask_base = Q + b * sqb + h * sqh, dOut + b * sdb + h * sdh, b * smb + h * smh
     for start in range(0, LQ, BLOCK_M):
         offs_m = start + offs_i
-        qt = tl.load(q_ptr + offs_m[None, :] * sqm + offs_d[:, None],
-                     mask=(offs_m[None, :] < LQ) & (offs_d[:, None] < D), other=0.0)
+        qt = _tile_t(q_ptr, offs_m, offs_d, sqm, LQ, D)
         st = _dot(k, qt, IEEE) * qk_scale
         inside = (offs_n[:, None] < LK) & (offs_m[None, :] < LQ)
         if HAS_MASK:
@@ -163,8 +174,7 @@ def _bwd_dkdv_kernel(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                           mask=inside, other=0.0) * LOG2E
         lse, delta = _row_stats(Lse, Delta, pid_bh, offs_m, LQ)
         pt = tl.where(inside, tl.exp2(st - lse[None, :]), 0.0)
-        do = tl.load(do_ptr + offs_m[:, None] * sdm + offs_dv[None, :],
-                     mask=(offs_m[:, None] < LQ) & (offs_dv[None, :] < DV), other=0.0)
+        do = _tile(do_ptr, offs_m, offs_dv, sdm, LQ, DV)
         dv += _dot(pt.to(do.dtype), do, IEEE)
         dst = pt * (_dot(v, tl.trans(do), IEEE) - delta[None, :])
         dk += _dot(dst.to(qt.dtype), tl.trans(qt), IEEE)
@@ -183,23 +193,18 @@ def _bwd_dq_kernel(Q, K, V, Mask, dOut, Lse, Delta, dQ,
                    HAS_MASK: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dQ of one query block, looping over key blocks."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+    pid_m, pid_bh, b, h = _program(H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d, offs_dv, offs_j = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(dOut + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_dv[None, :],
-                 mask=(offs_m[:, None] < LQ) & (offs_dv[None, :] < DV), other=0.0)
+    q = _tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqm, LQ, D)
+    do = _tile(dOut + b * sdb + h * sdh, offs_m, offs_dv, sdm, LQ, DV)
     lse, delta = _row_stats(Lse, Delta, pid_bh, offs_m, LQ)
     k_ptr, v_ptr, mask_base = K + b * skb + h * skh, V + b * svb + h * svh, b * smb + h * smh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, LK, BLOCK_N):
         offs_n = start + offs_j
-        kt = tl.load(k_ptr + offs_n[None, :] * skn + offs_d[:, None],
-                     mask=(offs_n[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
-        vt = tl.load(v_ptr + offs_n[None, :] * svn + offs_dv[:, None],
-                     mask=(offs_n[None, :] < LK) & (offs_dv[:, None] < DV), other=0.0)
+        kt = _tile_t(k_ptr, offs_n, offs_d, skn, LK, D)
+        vt = _tile_t(v_ptr, offs_n, offs_dv, svn, LK, DV)
         s = _logits(q, kt, Mask, mask_base, offs_m, offs_n, smm, smn, LQ, LK, qk_scale, HAS_MASK, IEEE, EVEN_N)
         p = tl.where(offs_m[:, None] < LQ, tl.exp2(s - lse[:, None]), 0.0)
         ds = p * (_dot(do, vt, IEEE) - delta[:, None])
