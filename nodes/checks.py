@@ -44,17 +44,20 @@ def _specs(cls: type) -> dict[str, tuple[Any, dict]]:
     return out
 
 
-def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tuple[bool, bool] | None) -> str | None:
-    """Why one widget value does not fit its declared type, or None. ``file_name``: (subfolders, empty_ok)."""
+def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tuple[bool, bool] | None,
+                  folder: str | None = None) -> str | None:
+    """Why one widget value does not fit its declared type, or None. ``file_name``: (subfolders, empty_ok);
+    ``folder``: the models folder a file-list combo lists."""
     if kind in ("FLOAT", "INT"):
         return number_problem(value, info.get("min"), info.get("max"), integer=kind == "INT")
     if kind == "COMBO" or isinstance(kind, list):
         options = list(kind if isinstance(kind, list) else info.get("options", []))
-        if not options:
-            return "is not an option: the list is empty; put the file into its models folder and refresh"
-        if not any(value == o and type(value) is type(o) for o in options):
-            return f"is not an option; choose one of {_options_text(options)}"
-        return None
+        if any(value == o and type(value) is type(o) for o in options):
+            return None
+        if folder is not None:
+            listed = f" (choose one of {_options_text(options)})" if options else ""
+            return f"is not in {folder}; put the file there and refresh the node list{listed}"
+        return f"is not an option; choose one of {_options_text(options)}"
     if kind == "BOOLEAN":
         return None if isinstance(value, bool) else "is not a boolean; use true or false"
     if kind == "STRING":
@@ -75,12 +78,13 @@ def gate(cls: type, values: Mapping[str, Any]) -> str | None:
     specs = _specs(cls)
     listed = bool(cls.INPUT_IS_LIST)
     names: Mapping[str, tuple[bool, bool]] = getattr(cls, "FILE_NAME_INPUTS", {})
+    folders: Mapping[str, str] = getattr(cls, "FILE_LIST_INPUTS", {})
     for name, value in values.items():
         if name not in specs or value is None:
             continue
         kind, info = specs[name]
         for item in (value if listed and isinstance(value, list) else [value]):
-            problem = None if item is None else value_problem(kind, info, item, names.get(name))
+            problem = None if item is None else value_problem(kind, info, item, names.get(name), folders.get(name))
             if problem is not None:
                 return f"{cls.NODE}: input '{name}'={show(item)} {problem}"
     own = cls.check(_first(values) if listed else dict(values))
@@ -111,11 +115,13 @@ class PrecisionNode(io.ComfyNode):
     """Base of every pack node: the gate above in validation and before execution.
 
     Subclasses set ``NODE`` (their node id), optionally ``FILE_NAME_INPUTS`` (input -> (subfolders allowed,
-    empty allowed)) and override ``check`` for tensor-free rules beyond one value's type and range.
+    empty allowed)) and ``FILE_LIST_INPUTS`` (combo input -> the models folder it lists, named in the
+    error), and override ``check`` for tensor-free rules beyond one value's type and range.
     """
 
     NODE: ClassVar[str] = ""
     FILE_NAME_INPUTS: ClassVar[dict[str, tuple[bool, bool]]] = {}
+    FILE_LIST_INPUTS: ClassVar[dict[str, str]] = {}  # combo input -> the models folder it lists
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

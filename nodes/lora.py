@@ -41,6 +41,7 @@ def _float(name: str, default: float, lo: float, hi: float, step: float, tip: st
 
 class PrecisionAttachLoRA(PrecisionNode):
     NODE = "PrecisionAttachLoRA"
+    FILE_LIST_INPUTS = {"init_lora": "models/loras"}
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -210,6 +211,7 @@ def _state_mismatch(lora_set, state) -> str | None:
 
 class PrecisionLoadLoRA(PrecisionNode):
     NODE = "PrecisionLoadLoRA"
+    FILE_LIST_INPUTS = {"lora_name": "models/loras"}
 
     @classmethod
     def define_schema(cls) -> io.Schema:

@@ -84,7 +84,9 @@ def test_every_combo_refuses_an_unknown_option(pack):
     for node in _gated_nodes():
         for name, (_kind, info) in _inputs(node, {"COMBO"}):
             message = node.validate_inputs(**{name: _wrap(node, "no_such_option")})
-            assert isinstance(message, str) and f"input '{name}'='no_such_option' is not an option" in message
+            folder = node.FILE_LIST_INPUTS.get(name)
+            why = f"is not in {folder}; put the file there and refresh" if folder else "is not an option; choose one of"
+            assert isinstance(message, str) and f"input '{name}'='no_such_option' {why}" in message, message
             checked += 1
     assert checked >= 15
 

@@ -83,4 +83,5 @@ def test_combo_values_are_checked_with_node_and_input_names(pack):
     assert save.validate_inputs(filename_prefix="ok", folder="loras", save_dtype="fp32", key_style="kohya") is True
     assert load.validate_inputs(mode="bf16").startswith("[Precision LoRA] PrecisionLoadLoRA: input 'mode'='bf16' is not an option")
     assert load.validate_inputs(lora_name="missing.safetensors", mode="fp32", attention="ignore").startswith(
-        "[Precision LoRA] PrecisionLoadLoRA: input 'lora_name'='missing.safetensors' is not an option")
+        "[Precision LoRA] PrecisionLoadLoRA: input 'lora_name'='missing.safetensors' is not in models/loras; put the "
+        "file there and refresh the node list")
