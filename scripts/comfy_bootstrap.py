@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import os
 import shlex
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +63,37 @@ def stub_torchvision_ops() -> bool:
     return True
 
 
+class _TorchvisionHook:
+    """Import hook: runs ``stub_torchvision_ops`` right before the first ``import torchvision`` (ComfyUI
+    imports torch first), so this process never imports torch before ComfyUI's main.py does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            stub_torchvision_ops()
+        return None  # the normal import machinery does the import
+
+
+def stub_torchvision_before_import() -> None:
+    """``stub_torchvision_ops`` now if torch or torchvision is already imported, else just before
+    torchvision's first import."""
+    if "torch" in sys.modules or "torchvision" in sys.modules:
+        stub_torchvision_ops()
+    elif not any(isinstance(f, _TorchvisionHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchvisionHook())
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device, without importing torch into a process that has not yet: ComfyUI's
+    main.py sets the CUDA allocator configuration before its first ``import torch``, and on a GPU a torch
+    imported earlier makes it fail ("Allocator backend parsed at runtime != ... at load time")."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.is_available()
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() == "True"
+
+
 def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
     """Put ComfyUI on sys.path, stub torchvision, and set ComfyUI's command line. Returns the ComfyUI dir.
 
@@ -75,13 +107,11 @@ def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
         )
     if COMFY_DIR not in sys.path:
         sys.path.insert(0, COMFY_DIR)
-    stub_torchvision_ops()
+    stub_torchvision_before_import()
     # Extra ComfyUI arguments for every process the scripts and tests start, e.g. "--disable-dynamic-vram"
     # or, on a machine without the frontend package, "--front-end-root DIR".
     argv = [*(argv or []), *shlex.split(os.environ.get("PRECISION_LORA_COMFY_ARGS", ""))]
-    import torch
-
-    if not torch.cuda.is_available() and "--cpu" not in argv:
+    if not cuda_available() and "--cpu" not in argv:
         argv.append("--cpu")
     sys.argv = [os.path.join(COMFY_DIR, "main.py"), *argv]
     if parse_args:
