@@ -16,7 +16,8 @@ NODE_MODULES = (
     "probe",
     "test_data",
 )
-ROUTE_MODULES = ("train_routes", "lora_routes")
+# Modules with a register() run once at load: HTTP routes, and the sweep of stale temporary files.
+ROUTE_MODULES = ("train_routes", "lora_routes", "housekeeping")
 
 
 def all_nodes() -> list[type[io.ComfyNode]]:

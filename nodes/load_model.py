@@ -11,6 +11,7 @@ import comfy.sd
 import comfy.utils
 import folder_paths
 
+from .checks import PrecisionNode
 from .comfy_compat import set_reload
 from .comfy_io import io
 from .model_info import describe_model
@@ -72,7 +73,10 @@ def _reload(path: str, weight_dtype: str, disable_dynamic: bool = False):
     return load_model_file(path, weight_dtype)
 
 
-class PrecisionLoadDiffusionModel(io.ComfyNode):
+class PrecisionLoadDiffusionModel(PrecisionNode):
+    NODE = NODE
+    FILE_LIST_INPUTS = {"model_name": "models/diffusion_models"}
+
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -94,16 +98,6 @@ class PrecisionLoadDiffusionModel(io.ComfyNode):
                                  tooltip="Family, attention heads, head_dim and default softmax scale."),
             ],
         )
-
-    @classmethod
-    def validate_inputs(cls, model_name: str, weight_dtype: str) -> bool | str:
-        # ComfyUI 0.3.75 does not check V3 combo values against their options: do it here.
-        if weight_dtype not in WEIGHT_DTYPES:
-            return f"{NODE}: weight_dtype {weight_dtype!r} unknown; choose one of {', '.join(WEIGHT_DTYPES)}"
-        if model_name not in folder_paths.get_filename_list("diffusion_models"):
-            return (f"{NODE}: model_name {model_name!r} is not in models/diffusion_models; "
-                    "put the file there and refresh the node list")
-        return True
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str) -> io.NodeOutput:

@@ -26,8 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MAX_LATENCY_S = 5.0
 # Inputs of nodes/load_model.py (the ComfyUI-compatibility work) until it derives from PrecisionNode: a
 # missing model_name makes its own validate_inputs raise a TypeError. Reported, not failed.
-KNOWN_GAPS = {("PrecisionLoadDiffusionModel", "model_name", "missing"),
-              ("PrecisionLoadDiffusionModel", "weight_dtype", "missing")}
+KNOWN_GAPS: set[tuple[str, str, str]] = set()
 # Data from another model, which validation cannot see: (node, input, link to the tiny Flux.1's output).
 CROSS_MODEL = [("7", "conditioning", ["21", 0]), ("7", "latents", ["22", 0]), ("11", "latent", ["22", 0]),
                ("11", "conditioning", ["21", 0])]
