@@ -134,10 +134,11 @@ async def _parse_control(request: Any) -> tuple[dict | None, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than json's recursion limit
+        body = None  # (Python 3.12's json parses deeper than 3.11's: such a body arrives as a list)
+    if not isinstance(body, dict):
         return None, _fail(400, f"body must be JSON: {USAGE}")
-    if not isinstance(body, dict) or body.get("action") not in ACTIONS:
-        got = body.get("action") if isinstance(body, dict) else type(body).__name__
-        return None, _fail(400, f"action {str(got)[:40]!r} is unknown; use one of {list(ACTIONS)}")
+    if body.get("action") not in ACTIONS:
+        return None, _fail(400, f"action {str(body.get('action'))[:40]!r} is unknown; use one of {list(ACTIONS)}")
     if not isinstance(body.get("client_id"), str) or not body["client_id"]:
         return None, _fail(400, "client_id is missing: send the websocket clientId of the page that queued "
                                 f"the prompt; {USAGE}")
