@@ -83,9 +83,10 @@ def test_probe_output_bit_identical_and_lora_gains_match_direct_computation():
         result = pg.probe_model(model, latent, cond, noise_level=0.5, seed=7, max_rows=4096)
     assert torch.equal(result.output, plain)
     adapter = pack_module("nodes.lora_glue").get_lora_set(model).adapters()[path]
-    dw = (adapter.up.detach().double() @ adapter.down.detach().double()).numpy() * adapter.scale
-    x = seen[0].reshape(-1, seen[0].shape[-1]).double().numpy()
-    expected = _independent_gains(x, module.weight.detach().double().numpy(), module.bias.detach().double().numpy(), dw)
+    dw = (adapter.up.detach().double() @ adapter.down.detach().double()).cpu().numpy() * adapter.scale
+    x = seen[0].reshape(-1, seen[0].shape[-1]).double().cpu().numpy()
+    expected = _independent_gains(x, module.weight.detach().double().cpu().numpy(),
+                                  module.bias.detach().double().cpu().numpy(), dw)
     got = result.lora[path].gains
     assert got["merge"] == pytest.approx(expected["merge"], rel=1e-6)
     assert got["add_bf16"] == pytest.approx(expected["add_bf16"], rel=1e-6)

@@ -36,7 +36,7 @@ def memorise(pack_module, family: str, steps: int, lr: float) -> list[float]:
         with tglue.training_session(out, lora_set, settings) as device:
             samples = tdata.build_samples(out, [latent], [cond], None, device)
             fns = tglue.model_fns(out, lora_set, settings, device)
-            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3))
+            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3)).to(device)
             base = fns
             fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
                                       target=lambda s, n, x0: base.target(s, fixed, x0))
@@ -62,7 +62,7 @@ def _eval_loss(pack_module, model, latent, cond, settings, draws: int = 16) -> f
             fns = tglue.model_fns(out, lora_set, settings, device)
             gen, x0, total = torch.Generator().manual_seed(123), sample.latent[None], 0.0
             for _ in range(draws):
-                noise = torch.randn(x0.shape, generator=gen)
+                noise = torch.randn(x0.shape, generator=gen).to(x0.device)
                 sigma = fns.sigma_of_u(sampling.sample_u(settings, 1, gen))
                 x_t = fns.noise_latent(sigma, noise, x0)
                 pred = fns.predict(x_t, sigma, fns.collate([sample.cond]))

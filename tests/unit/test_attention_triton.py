@@ -171,6 +171,13 @@ def interpreted() -> dict[str, dict[str, float]]:
     code = (f"import json, sys; sys.path[:0] = [{ROOT!r}, {UNIT!r}]\n"
             "import test_attention_triton as t\n"
             "print('RESULTS ' + json.dumps(t.interpreter_results()))")
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        # seen on the lent GPU machine (triton 3.6): its interpreter fails inside tl ops with "only
+        # 0-dimensional arrays can be converted to Python scalars"; the gpu-marked tests run the real kernel
+        pytest.skip(f"the interpreter tests need triton >= 3.9 (the set-up installs 3.9.0); this is "
+                    f"{triton.__version__}")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
