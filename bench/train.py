@@ -217,8 +217,15 @@ def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bo
     label = _model_label(argparse.Namespace(width=width, blocks=args.blocks))
     if out.returncode != 0 or not lines:
         return {"trainer": trainer, "checkpointing": checkpointing, "model": label,
-                "error": out.stderr.strip().splitlines()[-1:]}
+                "error": _error_line(out.stderr)}
     return json.loads(lines[-1])
+
+
+def _error_line(stderr: str) -> list[str]:
+    """The exception line of a child's traceback (the last stderr line can be a hint printed after it)."""
+    lines = stderr.strip().splitlines()
+    errors = [ln for ln in lines if ln[:1].isalpha() and ("Error:" in ln or "Exception:" in ln)]
+    return (errors or lines)[-1:]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
