@@ -189,12 +189,20 @@ def fit_view(browser: "Browser") -> None:
     browser.evaluate(FRAMES)
 
 
+# Display-only widgets that frontend 1.32 (ComfyUI 0.3.75) puts into the prompt and 1.49 (0.33) does not:
+# the node has no such input, so they are not part of the graph.
+DISPLAY_ONLY = {("PreviewAny", "preview")}
+
+
 def normalise_prompt(prompt: dict) -> dict:
-    """class_type and inputs of an API prompt (drops _meta titles), links as [str(node), slot]."""
+    """class_type and inputs of an API prompt (drops _meta titles and display-only widgets), links as
+    [str(node), slot]."""
     out = {}
     for node_id, node in prompt.items():
         inputs = {}
         for k, v in node["inputs"].items():
+            if (node["class_type"], k) in DISPLAY_ONLY:
+                continue
             if isinstance(v, list) and len(v) == 2 and isinstance(v[1], int):
                 v = [str(v[0]), v[1]]
             inputs[k] = v

@@ -75,7 +75,11 @@ def test_training_over_http_with_events_and_stock_loadable_lora(server):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["node"] == "6" and s["total"] == STEPS and math.isfinite(s["loss"]) and s["lr"] == 1e-2 for s in steps)
     progress = [e["data"] for e in events if e["type"] == "progress" and e["data"].get("node") == "6"]
-    assert [p["value"] for p in progress] == list(range(1, STEPS + 1)) and progress[-1]["max"] == STEPS
+    # ComfyUI 0.33 throttles progress-bar messages (one per 100 ms at most; the first and the last always
+    # go out): the bar may skip steps, the pack's own train_step events above never do
+    values = [p["value"] for p in progress]
+    assert values[0] == 1 and values[-1] == STEPS and progress[-1]["max"] == STEPS, values
+    assert values == sorted(set(values)) and set(values) <= set(range(1, STEPS + 1)), values
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"]
     assert done and done[-1]["steps"] == STEPS and done[-1]["stopped"] is False
     status, history = server.get(f"/precision_lora/train/history?client_id={client_id}")
