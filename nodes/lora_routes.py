@@ -195,7 +195,7 @@ def model_info(path: str) -> dict[str, object]:
         if unet_config is None:
             raise LoraNameError(422, "[Precision LoRA] model info: not a diffusion model ComfyUI recognises")
     unet_config = dict(unet_config)
-    if "num_heads" not in unet_config and unet_config.get("image_model") == "cosmos_predict2":
+    if "num_heads" not in unet_config and unet_config.get("image_model") in ("cosmos_predict2", "anima"):
         # Detection leaves heads to the model class's default (not stored in the file).
         import inspect
 

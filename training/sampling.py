@@ -6,8 +6,8 @@
 
 - Flux.1 / Flux.2 / SD3 (rectified flow): ``u`` is the unshifted flow time, ``sigma = shift_model(u)``
   (Flux: ``e^1.15 u / (e^1.15 u + 1 - u)``), and ``x_t = (1 - sigma) x0 + sigma * noise``.
-- Cosmos-Predict2 / Anima: the schedule is log-uniform in sigma between sigma_min and sigma_max;
-  the flow time is ``sigma / (sigma + 1)``.
+- Cosmos-Predict2: the schedule is log-uniform in sigma between sigma_min and sigma_max; the flow time
+  is ``sigma / (sigma + 1)``. (Anima, ComfyUI 0.33: rectified flow with shift 3.0, as the first item.)
 - eps / v models: ``u`` is the fraction of the model's discrete schedule.
 
 Samplers (z ~ N(0, 1), r ~ U(0, 1), all from an explicit generator):

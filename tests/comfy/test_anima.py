@@ -130,6 +130,16 @@ def with_patches(model, patches):
     return out
 
 
+def test_model_info_route_reads_anima_heads_from_the_header(model_file, pack_module):
+    """GET /precision_lora/model/info (what Patch Attention's scale display asks): heads default to
+    MiniTrainDIT's for Anima files too (they were left out, so the display showed no scale)."""
+    import folder_paths
+
+    info = pack_module("nodes.lora_routes").model_info(folder_paths.get_full_path("diffusion_models", model_file))
+    assert (info["family"], info["heads"], info["head_dim"]) == ("anima", 16, 12)
+    assert info["default_scale"] == pytest.approx(12 ** -0.5)
+
+
 def test_both_loaders_give_the_same_anima_with_the_full_adapter(stock, ours):
     model, info = ours
     assert type(stock.model).__name__ == type(model.model).__name__ == "Anima"
