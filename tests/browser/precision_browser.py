@@ -118,7 +118,8 @@ PAGE_READY = """() => {
   if (!app?.graph || !app.canvas) return false;
   if (!window.LiteGraph?.registered_node_types?.["PrecisionLoadDiffusionModel"]) return false;
   const names = (app.extensions || []).map((e) => e.name);
-  return ["precision_lora.train_chart", "precision_lora.lora_info", "precision_lora.scale_display"]
+  return ["precision_lora.train_chart", "precision_lora.lora_info", "precision_lora.scale_display",
+    "precision_lora.seed_default"]
     .every((n) => names.includes(n));
 }"""
 

@@ -267,3 +267,29 @@ def test_probe_workflow_runs_from_the_page_and_shows_its_report(training_run, co
     fit_view(comfy_page)
     comfy_page.screenshot("probe_done")
     assert comfy_page.pack_errors() == []
+
+
+def _cached_nodes(entry: dict) -> set[str]:
+    """Node ids ComfyUI served from its cache in a finished run (its execution_cached message)."""
+    return {str(n) for event, data in entry["status"]["messages"] if event == "execution_cached"
+            for n in data.get("nodes", [])}
+
+
+def test_three_runs_of_the_unchanged_workflow_train_once_and_a_change_retrains(training_run, comfy_page,
+                                                                               comfy_server):
+    """Issue 14 item 1: with the pack's seeds fixed, pressing Run again serves the training nodes from
+    ComfyUI's cache (hours on a real model) instead of retraining; changing an input retrains."""
+    _drop(comfy_page, "train_lora.json")
+    runs = [_run_from_page(comfy_page, comfy_server) for _ in range(3)]
+    assert all(r["status"]["status_str"] == "success" for r in runs), [r["status"] for r in runs]
+    trained = [str(FIRST_TRAIN) not in _cached_nodes(r) for r in runs]
+    assert trained[1:] == [False, False] and sum(trained) <= 1, [sorted(_cached_nodes(r)) for r in runs]
+    assert {str(FIRST_TRAIN), str(SECOND_TRAIN)} <= _cached_nodes(runs[2])
+    steps = comfy_page.evaluate("""(id) => window.comfyAPI.app.app.graph.getNodeById(id).widgets
+      .find((w) => w.name === "steps").value""", SECOND_TRAIN)
+    comfy_page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", steps + 1])
+    changed = _run_from_page(comfy_page, comfy_server)
+    assert changed["status"]["status_str"] == "success", changed["status"]
+    cached = _cached_nodes(changed)
+    assert str(SECOND_TRAIN) not in cached and str(FIRST_TRAIN) in cached, sorted(cached)
+    assert comfy_page.pack_errors() == []

@@ -81,3 +81,46 @@ def test_patch_attention_shows_the_resolved_scale_for_the_connected_model(comfy_
         timeout=10)
     assert "head_dim 32" in absolute["text"]
     assert comfy_page.pack_errors() == []
+
+
+SEED_CONTROLS = """async (apiPrompt) => {
+  const app = window.comfyAPI.app.app;
+  const controls = (n) => (n.widgets || []).filter((w) => w.name === "control_after_generate").map((w) => w.value);
+  const fromMenu = {};
+  for (const t of ["PrecisionTrainLoRA", "PrecisionAttachLoRA", "PrecisionProbe", "KSampler"]) {
+    const n = window.LiteGraph.createNode(t); // what the node menu and search box do
+    app.graph.add(n);
+    fromMenu[t] = controls(n);
+    app.graph.remove(n);
+  }
+  await app.loadApiJson(apiPrompt, "train_lora_api.json");
+  const fromApi = {};
+  for (const n of app.graph.nodes) if (controls(n).length) fromApi[n.type] = controls(n);
+  return { fromMenu, fromApi };
+}"""
+
+
+def test_pack_seeds_start_fixed_from_the_menu_and_from_api_json_and_saved_choices_win(comfy_page):
+    """Issue 14 item 1: the frontend gives every seed "control after generate: randomize", so each Run
+    changed a training node's seed and retrained from scratch. Pack nodes now start at "fixed" when added
+    from the menu or loaded from an API prompt; ComfyUI's own nodes are left alone; a saved workflow's
+    explicit "randomize" stays."""
+    with open(os.path.join(ROOT, "workflows", "api", "train_lora.json")) as f:
+        api_prompt = json.load(f)
+    got = comfy_page.evaluate(SEED_CONTROLS, api_prompt)
+    for node in ("PrecisionTrainLoRA", "PrecisionAttachLoRA", "PrecisionProbe"):
+        assert got["fromMenu"][node] == ["fixed"], got
+    assert got["fromMenu"]["KSampler"] == ["randomize"], got  # not ours to change
+    pack = {t: v for t, v in got["fromApi"].items() if t.startswith("Precision")}
+    assert pack and all(v == ["fixed"] for v in pack.values()), got
+    with open(os.path.join(ROOT, "workflows", "train_lora.json")) as f:
+        workflow = json.load(f)
+    train = next(n for n in workflow["nodes"] if n["type"] == "PrecisionTrainLoRA")
+    slot = train["widgets_values"].index("fixed")
+    train["widgets_values"][slot] = "randomize"  # the user chose it and saved the workflow
+    comfy_page.evaluate(DROP_WORKFLOW, {"name": "train_lora.json", "text": json.dumps(workflow)})
+    comfy_page.wait_for(GRAPH_LOADED, sorted(n["id"] for n in workflow["nodes"]), timeout=60)
+    saved = comfy_page.evaluate("""(id) => window.comfyAPI.app.app.graph.getNodeById(id).widgets
+      .find((w) => w.name === "control_after_generate").value""", train["id"])
+    assert saved == "randomize"
+    assert comfy_page.pack_errors() == []
