@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from training.lora import LoRAAdapter, LoRAConfig, lora_linear  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import pure_packages  # noqa: E402  (the pure packages by their short names)
+
+pure_packages.install()
+from lora.layer import LoRAAdapter, LoRAConfig, lora_linear  # noqa: E402
 
 RHOS = (1e-3, 3e-3, 1e-2)
 PATHS = ("plain_bf16", "fp32_delta_rounded_base", "bf16_merge", "fp32_accumulation")

@@ -1,7 +1,7 @@
 """Training outcome: does fp32 LoRA accumulation (or the stable attention backend) change what training learns?
 
 A small pure-torch model (pre-norm blocks of multi-head attention + MLP, every Linear adapted by the pack's
-``training.lora`` layers, attention through the pack's backends) learns a teacher: the same base weights plus
+``lora.layer`` layers, attention through the pack's backends) learns a teacher: the same base weights plus
 small low-rank deltas (rms(ΔW*)/rms(W) = ``rho``, the regime where bf16 rounding matters). Every run starts
 from the same base weights (bf16-representable), the same LoRA init and sees the same batches:
 
@@ -38,10 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import pure_packages  # noqa: E402  (the pure packages by their short names)
+
+pure_packages.install()
 from attention.backends import get_backend  # noqa: E402
 from attention.probe_stats import measure_attention  # noqa: E402
 from attention.stable import StableOptions, stable_attention  # noqa: E402
-from training.lora import LoRAConfig, LoRASet, lora_linear  # noqa: E402
+from lora.layer import LoRAConfig, LoRASet, lora_linear  # noqa: E402
 
 FULL = {"dim": 64, "heads": 4, "blocks": 2, "tokens": 16, "batch": 8, "train": 128, "test": 32, "steps": 200,
         "rank": 4, "rho": 2e-3, "lrs": (1e-4, 1e-3)}

@@ -2,7 +2,7 @@
 
 1. LoRA delta survival vs rms(ΔW)/rms(W) and rank, for a bf16 merge, a bf16 add of the bf16 delta, the
    fp32 delta added to the rounded base output, and the pack's fp32 unmerged layer
-   (``training.probe_math.delta_survival``, which runs ``training.lora.lora_linear``).
+   (``probe.survival.delta_survival``, which runs ``lora.layer.lora_linear``).
 2. Softmax scale: entropy / ln N and KL(softmax(S) ‖ softmax(bf16(S))) vs the multiplier of 1/sqrt(d)
    (q, k ~ N(0, 1), d = 128), and rows whose bf16 logits tie at the max.
 3. Biased rounding of Ō = P̄V: bias/MAE of emulated low-precision attention (``attention.stable``'s
@@ -22,10 +22,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import pure_packages  # noqa: E402  (the pure packages by their short names)
+
+pure_packages.install()
 from attention.probe_stats import entropy_ratio_dense  # noqa: E402
 from attention.stable import TIE_TOLERANCE, StableOptions, stable_forward  # noqa: E402
-from training.lora import LoRAAdapter, LoRAConfig  # noqa: E402
-from training.probe_math import PATHS, delta_survival  # noqa: E402
+from lora.layer import LoRAAdapter, LoRAConfig  # noqa: E402
+from probe.survival import PATHS, delta_survival  # noqa: E402
 
 FULL = {"width": 3072, "tokens": 256, "ranks": (4, 16, 64), "rhos": (1e-3, 3e-3, 1e-2, 3e-2),
         "mults": (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0), "rows": 512, "keys": 1024, "bias_rows": 4096}
@@ -48,7 +52,7 @@ def layer_with_rho(width: int, rank: int, rho: float, gen: torch.Generator) -> t
 
 def survival_table(cfg: dict, seed: int = 0, device: str = "cpu") -> list[dict]:
     """One row per (rank, rho): gains per path, fp32 path's relative error, merged elements changed.
-    On CUDA the pack's layer uses a bf16 GEMM with fp32 output (``training.lora.base_linear_fp32``)."""
+    On CUDA the pack's layer uses a bf16 GEMM with fp32 output (``lora.layer.base_linear_fp32``)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg["tokens"], cfg["width"], generator=gen).bfloat16().to(device)
     rows = []

@@ -88,7 +88,7 @@ def _setup(args: argparse.Namespace):
     import comfy_harness
     from models import make_conditioning, make_latent
 
-    tiny = comfy_harness.pack_module("nodes.tiny_models")
+    tiny = comfy_harness.pack_module("demo.tiny_models")
     config = tiny.cosmos_width_config(args.width, args.blocks) if args.width else None
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = tiny.build_tiny_model(args.family, seed=0, dtype=dtype, unet_config=config)
@@ -99,8 +99,8 @@ def _setup(args: argparse.Namespace):
 def _ours(h, model, latents, cond, args, steps: int) -> int:
     import torch
 
-    glue, train = h.pack_module("nodes.lora_glue"), h.pack_module("nodes.train")
-    lora, settings = h.pack_module("training.lora"), h.pack_module("training.settings")
+    glue, train = h.pack_module("precision_nodes.lora_glue"), h.pack_module("precision_nodes.train")
+    lora, settings = h.pack_module("lora.layer"), h.pack_module("training.settings")
     cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
                                  weight_decay=0.01)
     with torch.inference_mode():

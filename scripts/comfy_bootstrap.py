@@ -137,7 +137,7 @@ def link_pack(base_dir: str) -> str:
 def init_in_process(base_dir: str, argv: list[str] | None = None) -> None:
     """Import ComfyUI in this process with ``base_dir`` as its base directory (models, output, ...).
 
-    Idempotent. Afterwards ComfyUI's own ``nodes`` module (not this pack's ``nodes/``) is importable.
+    Idempotent. Afterwards ComfyUI's own ``nodes`` module (not this pack's ``precision_nodes/``) is importable.
     A stand-in ``PromptServer.instance`` collects ``send_sync`` events in ``.events`` for tests.
     """
     if "folder_paths" in sys.modules:

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
     import importlib
 
     pack = comfy_bootstrap.load_pack_in_process(base)
-    tiny = importlib.import_module(f"{pack.__name__}.nodes.tiny_models")
+    tiny = importlib.import_module(f"{pack.__name__}.demo.tiny_models")
     for family in DEMO_FAMILIES:
         path = os.path.join(folder, tiny.demo_model_filename(family))
         if force or not os.path.exists(path):

@@ -1,8 +1,8 @@
 """Root test configuration: import paths, markers, and the tiers' shared options.
 
-The pack's pure packages (attention/, training/) are importable by name. The pack's nodes/ package is
-never imported as a top-level ``nodes`` (that name is ComfyUI's nodes.py): tests/comfy loads the pack
-through ComfyUI's custom-node loader (see tests/comfy/conftest.py).
+The pack's pure packages (attention/, training/, lora/, probe/) are importable by name
+(scripts/pure_packages.py). precision_nodes/ and demo/ import ComfyUI: tests/comfy loads the pack through
+ComfyUI's custom-node loader (see tests/comfy/conftest.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ TESTS = os.path.join(ROOT, "tests")
 for path in (os.path.join(ROOT, "scripts"), TESTS, ROOT):
     if path not in sys.path:
         sys.path.append(path)
+
+import pure_packages  # noqa: E402  (scripts/: the pure packages by their short names)
+
+pure_packages.install()
 
 
 def _cuda() -> bool:

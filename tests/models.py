@@ -14,7 +14,7 @@ from comfy_harness import pack_module
 
 
 def _tiny():
-    return pack_module("nodes.tiny_models")
+    return pack_module("demo.tiny_models")
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -36,7 +36,7 @@ def tiny_cosmos(seed: int = 0, dtype: torch.dtype = torch.float32):
 
 def make_latent(model, batch: int = 1, width: int = 64, height: int = 64, seed: int = 0) -> dict:
     """LATENT dict {"samples": ...} of the model's latent shape (Cosmos: 5-D (B,16,1,H/8,W/8))."""
-    return pack_module("nodes.test_data").make_latent(model, width, height, batch, seed)
+    return pack_module("demo.nodes").make_latent(model, width, height, batch, seed)
 
 
 def tiny_anima(seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -79,7 +79,7 @@ def tiny_anima_text_encoder(seed: int = 0):
 def make_conditioning(model, batch: int = 1, text: str = "a photo of sks", seed: int = 0, tokens: int = 8) -> list:
     """CONDITIONING [[context (batch, tokens, width), {"pooled_output": ..., "guidance": ...}]]; Anima
     conditioning also carries ``anima_extras`` (so its LLM adapter runs, as with the real text encoder)."""
-    cond = pack_module("nodes.test_data").make_conditioning(model, text, seed, tokens)
+    cond = pack_module("demo.nodes").make_conditioning(model, text, seed, tokens)
     if is_anima(model):
         cond = [[cond[0][0], {**cond[0][1], **anima_extras(text, seed, tokens)}]]
     if batch > 1:

@@ -97,7 +97,7 @@ def load_state(path: str) -> TrainingState:
 def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str], str]) -> str:
     """Write ``<base>.state.pt`` then the LoRA via ``write_lora(<base>.safetensors)``; returns the LoRA path.
 
-    ``write_lora`` must write atomically (``training.lora_file.save_lora_file`` does). Nothing is written
+    ``write_lora`` must write atomically (``lora.file.save_lora_file`` does). Nothing is written
     if the state holds a non-finite tensor.
     """
     save_state(base + STATE_SUFFIX, state)

@@ -123,7 +123,7 @@ def _prepare_input(t: torch.Tensor) -> torch.Tensor:
 
 
 class RNGState(Protocol):
-    """Explicit generators a block draws from (``training.lora.DropoutRNG``)."""
+    """Explicit generators a block draws from (``lora.layer.DropoutRNG``)."""
 
     def get_state(self) -> Any: ...
 

@@ -53,7 +53,7 @@ def one_thread_for_the_module():
 def model_file(pack, pack_module):
     import folder_paths
 
-    reason = pack_module("nodes.tiny_models").anima_unavailable()
+    reason = pack_module("demo.tiny_models").anima_unavailable()
     if reason:
         pytest.skip(reason)
     path = os.path.join(folder_paths.get_folder_paths("diffusion_models")[0], FILE)
@@ -79,11 +79,11 @@ def ours(model_file):
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        glue = pack_module("nodes.lora_glue")
-        aglue = pack_module("nodes.attention_glue")
-        tglue = pack_module("nodes.train_glue")
-        tdata = pack_module("nodes.train_data")
-        lora = pack_module("training.lora")
+        glue = pack_module("precision_nodes.lora_glue")
+        aglue = pack_module("precision_nodes.attention_glue")
+        tglue = pack_module("precision_nodes.train_glue")
+        tdata = pack_module("precision_nodes.train_data")
+        lora = pack_module("lora.layer")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings
     return M
@@ -135,7 +135,7 @@ def test_model_info_route_reads_anima_heads_from_the_header(model_file, pack_mod
     MiniTrainDIT's for Anima files too (they were left out, so the display showed no scale)."""
     import folder_paths
 
-    info = pack_module("nodes.lora_routes").model_info(folder_paths.get_full_path("diffusion_models", model_file))
+    info = pack_module("precision_nodes.lora_routes").model_info(folder_paths.get_full_path("diffusion_models", model_file))
     assert (info["family"], info["heads"], info["head_dim"]) == ("anima", 16, 12)
     assert info["default_scale"] == pytest.approx(12 ** -0.5)
 
@@ -177,7 +177,7 @@ def test_training_halves_the_loss_on_fixed_draws_within_50_steps(trained):
 
 def test_saved_lora_records_the_scale_and_loads_in_stock_comfyui(trained, stock, mods, caplog):
     import nodes as comfy_nodes
-    from training.lora_file import read_lora_file
+    from lora.file import read_lora_file
 
     tensors, md = read_lora_file(trained["path"])
     assert float(md["ss_attn_softmax_scale"]) == pytest.approx(SCALE / math.sqrt(12), rel=1e-6)
@@ -318,7 +318,7 @@ def test_no_in_place_residual_adds_in_the_dit_or_the_adapter(ours, mods):
 
 def test_the_tiny_anima_family_names_the_comfyui_it_needs(pack_module):
     """Runs on every host: where ComfyUI has no Anima (0.3.75) the family refuses with the reason."""
-    tiny = pack_module("nodes.tiny_models")
+    tiny = pack_module("demo.tiny_models")
     reason = tiny.anima_unavailable()
     if reason is None:
         config = tiny.unet_config_for("anima")

@@ -1,4 +1,4 @@
-"""Version differences (nodes/comfy_compat.py) on the host this run uses: ComfyUI 0.3.75 or 0.33.
+"""Version differences (precision_nodes/comfy_compat.py) on the host this run uses: ComfyUI 0.3.75 or 0.33.
 
 Each test names the cause in ../shared/comfyui/README.md it guards; each fails on 0.33 without the fix.
 Where a cause does not exist on a host (comfy-kitchen and ``in_training`` are 0.30+), the test checks what
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        compat = pack_module("nodes.comfy_compat")
-        glue = pack_module("nodes.lora_glue")
-        aglue = pack_module("nodes.attention_glue")
-        train = pack_module("nodes.train")
-        routes = pack_module("nodes.train_routes")
-        lora = pack_module("training.lora")
+        compat = pack_module("precision_nodes.comfy_compat")
+        glue = pack_module("precision_nodes.lora_glue")
+        aglue = pack_module("precision_nodes.attention_glue")
+        train = pack_module("precision_nodes.train")
+        routes = pack_module("precision_nodes.train_routes")
+        lora = pack_module("lora.layer")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings
     return M

@@ -7,7 +7,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def preview(pack_module):
-    return pack_module("nodes.test_data").latent_to_preview
+    return pack_module("demo.nodes").latent_to_preview
 
 
 def test_first_three_channels_normalised_and_upscaled(preview):

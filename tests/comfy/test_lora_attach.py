@@ -14,12 +14,12 @@ FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("nodes.lora_glue")
+    return pack_module("precision_nodes.lora_glue")
 
 
 @pytest.fixture(scope="module")
 def LoRAConfig(pack_module):
-    return pack_module("training.lora").LoRAConfig
+    return pack_module("lora.layer").LoRAConfig
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -66,7 +66,7 @@ def bf16_compute_model(pack_module, family: str = "flux2"):
     import comfy.model_detection
     import comfy.model_patcher
 
-    tiny = pack_module("nodes.tiny_models")
+    tiny = pack_module("demo.tiny_models")
     sd = tiny.tiny_state_dict(tiny.build_tiny_model(family))
     with torch.inference_mode(False):
         cfg = comfy.model_detection.model_config_from_unet_config(tiny.unet_config_for(family), None)

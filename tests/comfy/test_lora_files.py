@@ -20,17 +20,17 @@ LOAD_ARGS = dict(strength=1.0, mode="fp32", attention="apply_recorded", override
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("nodes.lora_glue")
+    return pack_module("precision_nodes.lora_glue")
 
 
 @pytest.fixture(scope="module")
 def cfg_cls(pack_module):
-    return pack_module("training.lora").LoRAConfig
+    return pack_module("lora.layer").LoRAConfig
 
 
 @pytest.fixture(scope="module")
 def attn(pack_module):
-    return pack_module("nodes.attention_glue"), pack_module("attention.config").AttentionConfig
+    return pack_module("precision_nodes.attention_glue"), pack_module("attention.config").AttentionConfig
 
 
 def node(node_id):
@@ -62,7 +62,7 @@ def trained(glue, cfg_cls, base, seed=1, **cfg):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_saved_lora_loads_in_stock_comfyui_with_same_output(family, glue, cfg_cls, caplog):
     import nodes as comfy_nodes
-    from training.lora_file import read_lora_file
+    from lora.file import read_lora_file
 
     base = FAMILIES[family]()
     model = trained(glue, cfg_cls, base)
@@ -118,7 +118,7 @@ def test_load_lora_warns_when_model_is_patched_differently(glue, cfg_cls, attn, 
 
 
 def test_foreign_lora_without_metadata_loads_with_default_attention(glue, cfg_cls, attn, tmp_path):
-    from training.lora_file import lora_state_dict, save_lora_file
+    from lora.file import lora_state_dict, save_lora_file
 
     attention_glue, _ = attn
     base = tiny_cosmos()
@@ -178,7 +178,7 @@ def test_load_lora_bad_files(glue, cfg_cls):
 
 
 def test_trainer_info_and_attention_reach_the_metadata(glue, cfg_cls, attn):
-    from training.lora_file import read_lora_file
+    from lora.file import read_lora_file
 
     attention_glue, AttentionConfig = attn
     model = trained(glue, cfg_cls, attention_glue.patch_attention(tiny_cosmos(), AttentionConfig(scale_mode="absolute",

@@ -27,7 +27,7 @@ def model_name(pack):
 def test_attach_save_then_load_graph(model_name, pack_module):
     import folder_paths
 
-    glue = pack_module("nodes.lora_glue")
+    glue = pack_module("precision_nodes.lora_glue")
     prompt = {
         "1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": model_name, "weight_dtype": "fp32"}},
         "2": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["1", 0], **ATTACH}},
@@ -44,7 +44,7 @@ def test_attach_save_then_load_graph(model_name, pack_module):
     path = run["outputs"]["3"][0][0]
     assert os.path.basename(path) == "lora_00001_.safetensors"
     assert os.path.dirname(path) == os.path.join(folder_paths.get_folder_paths("loras")[0], "graph")
-    from training.lora_file import read_lora_file
+    from lora.file import read_lora_file
 
     tensors, md = read_lora_file(path)
     assert tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].dtype == torch.bfloat16

@@ -16,12 +16,12 @@ from models import tiny_flux1
 
 
 def test_a_saved_lora_follows_the_umask(pack_module):
-    glue = pack_module("nodes.lora_glue")
-    save = pack_module("nodes.lora").PrecisionSaveLoRA
+    glue = pack_module("precision_nodes.lora_glue")
+    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
     old = os.umask(0o022)
     try:
         with torch.inference_mode():
-            model = glue.attach_lora(tiny_flux1(), pack_module("training.lora").LoRAConfig(rank=2, alpha=2))
+            model = glue.attach_lora(tiny_flux1(), pack_module("lora.layer").LoRAConfig(rank=2, alpha=2))
         path = save.execute(model, "modes/lora", "loras", "fp32", "auto", True, False).result[0]
     finally:
         os.umask(old)
@@ -31,7 +31,7 @@ def test_a_saved_lora_follows_the_umask(pack_module):
 def test_start_up_sweep_removes_partials_of_dead_writers_in_the_pack_folders(pack_module):
     import folder_paths
 
-    housekeeping = pack_module("nodes.housekeeping")
+    housekeeping = pack_module("precision_nodes.housekeeping")
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     deep = os.path.join(folder_paths.get_folder_paths("loras")[0], "sub", "deeper")

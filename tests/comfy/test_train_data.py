@@ -10,7 +10,7 @@ from models import make_conditioning, make_latent, tiny_cosmos
 @pytest.fixture(scope="module")
 def env(pack_module):
     class E:
-        td = pack_module("nodes.train_data")
+        td = pack_module("precision_nodes.train_data")
         model = tiny_cosmos()
     return E
 

@@ -12,10 +12,10 @@ from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 @pytest.fixture(scope="module")
 def env(pack_module):
     class E:
-        glue = pack_module("nodes.lora_glue")
-        train = pack_module("nodes.train")
-        tglue = pack_module("nodes.train_glue")
-        lora = pack_module("training.lora")
+        glue = pack_module("precision_nodes.lora_glue")
+        train = pack_module("precision_nodes.train")
+        tglue = pack_module("precision_nodes.train_glue")
+        lora = pack_module("lora.layer")
         Settings = pack_module("training.settings").TrainSettings
         model = tiny_cosmos()
     with torch.inference_mode():

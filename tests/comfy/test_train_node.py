@@ -23,11 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        glue = pack_module("nodes.lora_glue")
-        train = pack_module("nodes.train")
-        tglue = pack_module("nodes.train_glue")
-        routes = pack_module("nodes.train_routes")
-        lora = pack_module("training.lora")
+        glue = pack_module("precision_nodes.lora_glue")
+        train = pack_module("precision_nodes.train")
+        tglue = pack_module("precision_nodes.train_glue")
+        routes = pack_module("precision_nodes.train_routes")
+        lora = pack_module("lora.layer")
         ckpt = pack_module("training.checkpoint")
         Settings = pack_module("training.settings").TrainSettings
     return M
@@ -228,7 +228,7 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
 
 
 def _save(mods, pack_module, model, prefix: str, state=None, overwrite: bool = False) -> str:
-    save = pack_module("nodes.lora").PrecisionSaveLoRA
+    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
     extra = {} if state is None else {"training_state": state}
     with torch.inference_mode():
         return save.execute(model, prefix, "output", "fp32", "auto", False, overwrite, **extra).result[0]

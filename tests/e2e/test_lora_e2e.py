@@ -8,7 +8,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from training.lora_file import save_lora_file
+from lora.file import save_lora_file
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from training.lora import LoRAConfig, LoRASet
+from lora.layer import LoRAConfig, LoRASet
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import load_bench  # noqa: E402

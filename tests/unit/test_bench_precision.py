@@ -11,8 +11,8 @@ import torch
 
 from attention.probe_stats import entropy_ratio_dense, measure_attention
 from attention.stats import measure_call
-from training.lora import LoRAAdapter, LoRAConfig
-from training.probe_math import delta_survival, summarize
+from lora.layer import LoRAAdapter, LoRAConfig
+from probe.survival import delta_survival, summarize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import load_bench  # noqa: E402

@@ -11,13 +11,15 @@ COMFY_MODULES = ("comfy", "comfy_api", "comfy_extras", "comfy_execution", "folde
 
 PROBE = r"""
 import importlib, pkgutil, sys
-sys.path.insert(0, {root!r})
-for pkg in ("attention", "training"):
+sys.path.insert(0, {root!r} + "/scripts")
+import pure_packages
+pure_packages.install()
+for pkg in pure_packages.PURE:
     mod = importlib.import_module(pkg)
     for info in pkgutil.walk_packages(mod.__path__, pkg + "."):
         importlib.import_module(info.name)
 bad = sorted(m for m in sys.modules if m.split(".")[0] in {comfy!r})
-print("LOADED:" + ",".join(sorted(m for m in sys.modules if m.startswith(("attention", "training")))))
+print("LOADED:" + ",".join(sorted(m for m in sys.modules if m.startswith(pure_packages.PURE))))
 print("COMFY:" + ",".join(bad))
 """
 
@@ -32,7 +34,7 @@ def _run(code: str) -> str:
 def test_attention_and_training_import_no_comfyui_module():
     out = _run(PROBE.format(root=ROOT, comfy=set(COMFY_MODULES)))
     loaded = out.split("LOADED:")[1].splitlines()[0].split(",")
-    assert "attention" in loaded and "training" in loaded
+    assert {"attention", "training", "lora", "probe", "lora.file", "probe.survival"} <= set(loaded)
     assert out.split("COMFY:")[1].strip() == ""
 
 
@@ -41,7 +43,7 @@ def test_pure_sources_have_no_comfyui_import_statement():
 
     pattern = re.compile(r"^\s*(import|from)\s+(" + "|".join(COMFY_MODULES) + r")\b", re.M)
     offenders = []
-    for pkg in ("attention", "training"):
+    for pkg in ("attention", "training", "lora", "probe"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
             for name in files:
                 if name.endswith(".py"):

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from training.lora import LoRAConfig, LoRASet
-from training.lora_file import (default_key_style, file_rank, lora_metadata, lora_state_dict, parse_lora_tensors,
+from lora.layer import LoRAConfig, LoRASet
+from lora.file import (default_key_style, file_rank, lora_metadata, lora_state_dict, parse_lora_tensors,
                                 read_lora_file, save_lora_file)
 
 SHAPES = {"double_blocks.0.img_attn.qkv": (16, 48), "single_blocks.0.linear2": (40, 16)}
@@ -119,7 +119,7 @@ def test_peft_names_and_missing_alpha_use_comfy_rule():
 def test_pack_version_matches_pyproject():
     import re
 
-    from training.lora_file import PACK_VERSION
+    from lora.file import PACK_VERSION
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()

@@ -1,6 +1,6 @@
 """The LoRA metadata route: name checks (.., absolute paths, symlinks), summary, HTTP answers.
 
-nodes/lora_routes.py imports ComfyUI only in register(), so it is loaded here by file path (the package
+precision_nodes/lora_routes.py imports ComfyUI only in register(), so it is loaded here by file path (the package
 name `nodes` would clash with ComfyUI's own nodes module in a mixed test session).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _load():
     name = "precision_lora_routes_under_test"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "nodes", "lora_routes.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "precision_nodes", "lora_routes.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.targets import block_of, dry_run, parse_blocks, preset_family, preset_names, select_targets
+from lora.targets import block_of, dry_run, parse_blocks, preset_family, preset_names, select_targets
 
 H = 64
 FLUX = {
@@ -92,7 +92,7 @@ def test_block_indices_are_bounded_and_named_in_the_error():
     the input nor a fix."""
     import pytest
 
-    from training.targets import parse_blocks
+    from lora.targets import parse_blocks
 
     with pytest.raises(ValueError, match=r"blocks filter item '9999.*\(5000 characters\) is invalid: use 'N', 'N-M'"):
         parse_blocks("9" * 5000)

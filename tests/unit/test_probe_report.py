@@ -1,8 +1,8 @@
-"""Probe verdicts follow the measured numbers (thresholds from training.probe_report)."""
+"""Probe verdicts follow the measured numbers (thresholds from probe.report)."""
 from __future__ import annotations
 
-from training.probe_math import SurvivalStats
-from training.probe_report import attention_summary, attention_verdict, format_report, lora_verdict
+from probe.survival import SurvivalStats
+from probe.report import attention_summary, attention_verdict, format_report, lora_verdict
 
 
 def _layer(rows, ties, bias_std, bias_fix, entropy=0.8, max_logit=3.0):

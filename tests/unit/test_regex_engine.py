@@ -1,4 +1,4 @@
-"""training.regex: include/exclude patterns can never freeze the server.
+"""lora.regex: include/exclude patterns can never freeze the server.
 
 Issue 13, D2: targets=none, include="(.*.*){1,4}Z" blocked all HTTP for ~35 s (Python's re held the GIL
 while backtracking over the module paths); each extra repetition was ~6x slower.
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from training import regex, targets
+from lora import regex, targets
 
 # A model-sized list of module paths (Flux-like names, a thousand of them).
 PATHS = {f"double_blocks.{i}.img_attn.qkv_projection_{'x' * 30}": (64, 64) for i in range(1000)}

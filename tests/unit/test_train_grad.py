@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from training.grad import checkpoint_blocks
-from training.lora import LoRAConfig, LoRASet
+from lora.layer import LoRAConfig, LoRASet
 
 
 class Block(nn.Module):

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("precision_train_routes", os.path.join(ROOT, "nodes", "train_routes.py"))
+    spec = importlib.util.spec_from_file_location("precision_train_routes", os.path.join(ROOT, "precision_nodes", "train_routes.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

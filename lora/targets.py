@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .checks import show
+from ..training.checks import show
 from .regex import Matcher, compile_user_regex
 
 # One registry: family -> preset -> regexes matched with re.fullmatch against module paths.
@@ -105,7 +105,7 @@ def block_of(path: str) -> tuple[str, int] | None:
 
 
 def _compile(pattern: str, field: str) -> Matcher | None:
-    """A user regex through ``training.regex`` (linear time with google-re2, else a bounded subset)."""
+    """A user regex through ``lora.regex`` (linear time with google-re2, else a bounded subset)."""
     return compile_user_regex(pattern, field)
 
 
@@ -134,7 +134,7 @@ def select_targets(linears: Mapping[str, tuple[int, int]], family: str, targets:
 
     preset(family) ∪ include, minus exclude, restricted to the block filter (modules outside any block
     are dropped when a block filter is given). ``include`` / ``exclude`` are searched (``re.search``
-    semantics) by ``training.regex``, which never backtracks exponentially.
+    semantics) by ``lora.regex``, which never backtracks exponentially.
     """
     validate_target_options(targets, include, exclude, blocks)
     fam = preset_family(family)

@@ -172,7 +172,7 @@ def model_info(path: str) -> dict[str, object]:
     import comfy.model_detection
 
     from .model_info import FAMILY_BY_CONFIG, heads_and_dim
-    from .tiny_models import UNET_CONFIG_KEY
+    from .load_model import UNET_CONFIG_KEY
 
     try:
         with safe_open(path, framework="pt") as f:

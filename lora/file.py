@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .files import atomic_write
-from .guard import assert_finite
-from .lora import LoRAConfig, LoRASet
+from ..training.files import atomic_write
+from ..training.guard import assert_finite
+from .layer import LoRAConfig, LoRASet
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 
 from ..attention.config import AttentionConfig
 from ..attention.probe_stats import ProbeAttentionStats, measure_attention
-from ..training.probe_math import SurvivalStats, delta_survival
+from ..probe.survival import SurvivalStats, delta_survival
 from .attention_glue import OVERRIDE_KEY, POSITIONAL_NAMES, get_attention_config
 from .lora_glue import LoRAForward
 

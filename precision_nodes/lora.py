@@ -11,9 +11,9 @@ from ..attention.backends import BACKENDS
 from ..attention.config import SCALE_MODES, AttentionConfig
 from ..training.checkpoint import STATE_SUFFIX, save_state
 from ..training.guard import NonFiniteError, assert_finite
-from ..training.lora import MAX_RANK, PARAM_DTYPES, LoRAConfig
-from ..training.lora_file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
-from ..training.targets import preset_names
+from ..lora.layer import MAX_RANK, PARAM_DTYPES, LoRAConfig
+from ..lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
+from ..lora.targets import preset_names
 from . import lora_glue as glue
 from .train_glue import checkpoint_dir
 from .checks import PrecisionNode

@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 import math
 
-from ..training.probe_math import summarize
-from ..training.probe_report import format_report
+from ..probe.survival import summarize
+from ..probe.report import format_report
 from .checks import PrecisionNode
 from .comfy_io import io, ui
 from .data_checks import conditioning_problem, latent_problem

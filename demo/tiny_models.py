@@ -19,9 +19,9 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.model_patcher
 
-from .comfy_compat import comfyui_version, fit_flux_config, set_reload
+from ..precision_nodes.comfy_compat import comfyui_version, fit_flux_config, set_reload
+from ..precision_nodes.load_model import UNET_CONFIG_KEY, build_model_from_config
 
-UNET_CONFIG_KEY = "precision_lora.unet_config"
 
 _FLUX_COMMON = {
     "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 64, "hidden_size": 64,
@@ -112,30 +112,6 @@ def _init_weights(module: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-
-
-def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
-                            dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
-    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given).
-
-    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another)."""
-    if unet_config.get("image_model") in ("flux", "flux2"):
-        unet_config = fit_flux_config(unet_config)
-    model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
-    if model_config is None:
-        raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
-    load_device = comfy.model_management.get_torch_device()
-    if dtype is None:
-        dtype = comfy.model_management.unet_dtype(supported_dtypes=list(model_config.supported_inference_dtypes))
-    manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, model_config.supported_inference_dtypes)
-    model_config.set_inference_dtype(dtype, manual_cast)
-    model = model_config.get_model(state_dict or {}, "")
-    model = model.to(comfy.model_management.unet_offload_device())
-    if state_dict is not None:
-        model.load_model_weights(state_dict, "")
-    return comfy.model_patcher.ModelPatcher(
-        model, load_device=load_device, offload_device=comfy.model_management.unet_offload_device()
-    )
 
 
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -26,8 +26,8 @@ import comfy.model_sampling as cms
 from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIX, TrainingState, state_path_for, write_checkpoint
 from ..training.grad import autograd_enabled, checkpoint_blocks, clone_saved_tensors, find_block_lists
 from ..training.guard import assert_finite
-from ..training.lora import LoRASet
-from ..training.lora_file import default_key_style, lora_state_dict, save_lora_file
+from ..lora.layer import LoRASet
+from ..lora.file import default_key_style, lora_state_dict, save_lora_file
 from ..training.loop import ModelFns
 from ..training.settings import TrainSettings
 from .comfy_compat import model_gradients

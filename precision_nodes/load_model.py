@@ -7,19 +7,24 @@ import os
 
 import torch
 
+import comfy.model_detection
+import comfy.model_management
+import comfy.model_patcher
 import comfy.sd
 import comfy.utils
 import folder_paths
 
 from .checks import PrecisionNode
-from .comfy_compat import set_reload
+from .comfy_compat import fit_flux_config, set_reload
 from .comfy_io import io
 from .model_info import describe_model
-from .tiny_models import UNET_CONFIG_KEY, build_model_from_config
 
 log = logging.getLogger(__name__)
 
 NODE = "PrecisionLoadDiffusionModel"
+# Files whose architecture ComfyUI cannot detect from tensor shapes alone (e.g. Flux at other than 24 x 128
+# heads) carry their unet config as JSON under this metadata key; the loader builds them from it.
+UNET_CONFIG_KEY = "precision_lora.unet_config"
 WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "default": None,
     "bf16": torch.bfloat16,
@@ -27,6 +32,30 @@ WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
     "fp8_e4m3fn": torch.float8_e4m3fn,
 }
+
+
+def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
+                            dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given).
+
+    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another)."""
+    if unet_config.get("image_model") in ("flux", "flux2"):
+        unet_config = fit_flux_config(unet_config)
+    model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
+    if model_config is None:
+        raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
+    load_device = comfy.model_management.get_torch_device()
+    if dtype is None:
+        dtype = comfy.model_management.unet_dtype(supported_dtypes=list(model_config.supported_inference_dtypes))
+    manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, model_config.supported_inference_dtypes)
+    model_config.set_inference_dtype(dtype, manual_cast)
+    model = model_config.get_model(state_dict or {}, "")
+    model = model.to(comfy.model_management.unet_offload_device())
+    if state_dict is not None:
+        model.load_model_weights(state_dict, "")
+    return comfy.model_patcher.ModelPatcher(
+        model, load_device=load_device, offload_device=comfy.model_management.unet_offload_device()
+    )
 
 
 def _read_file(path: str) -> tuple[dict, dict]:

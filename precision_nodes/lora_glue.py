@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 import comfy.ops
 import torch
 
-from ..training.lora import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
-from ..training.lora_file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
+from ..lora.layer import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
+from ..lora.file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
                                   read_lora_file)
 from ..training.checks import name_problem, show
-from ..training.targets import select_targets
+from ..lora.targets import select_targets
 from .model_info import describe_model
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ _PREFIX = "diffusion_model."
 
 
 class LoRAForward:
-    """Replacement ``forward`` for one Linear: base (ComfyUI-cast weights) + adapters, numerics in training.lora."""
+    """Replacement ``forward`` for one Linear: base (ComfyUI-cast weights) + adapters, numerics in lora.layer."""
 
     def __init__(self, module: torch.nn.Linear, adapters: Sequence[LoRAAdapter]) -> None:
         self.module = module

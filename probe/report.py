@@ -1,6 +1,6 @@
 """Plain-text report and verdict of the precision probe (pure: plain numbers in, strings out).
 
-Inputs: per LoRA layer a ``SurvivalStats`` (training.probe_math); per attention layer the dict of
+Inputs: per LoRA layer a ``SurvivalStats`` (probe.survival); per attention layer the dict of
 ``ProbeAttentionStats.as_dict()`` (attention.probe_stats); the attention settings as
 ``{"backend", "scale", "multiplier", "softclamp"}``. Thresholds are named constants so tests and docs
 can refer to them.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .probe_math import PATHS, SurvivalStats, summarize
+from .survival import PATHS, SurvivalStats, summarize
 
 MERGE_OK_GAIN = 0.95          # a path keeping >= 95 % of the LoRA's effect is called harmless
 TIE_ROWS_WARN = 0.01          # >= 1 % of rows with two bf16(P̄) == 1: the stable fix has something to do

@@ -10,8 +10,8 @@ import hashlib
 
 import torch
 
-from .checks import PrecisionNode
-from .comfy_io import io
+from ..precision_nodes.checks import PrecisionNode
+from ..precision_nodes.comfy_io import io
 
 
 def _seed_for(text: str, seed: int) -> int:

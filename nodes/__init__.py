@@ -1,1 +1,0 @@
-"""ComfyUI glue: the only package of the pack that imports ComfyUI."""

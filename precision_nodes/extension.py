@@ -1,0 +1,31 @@
+"""The V3 extension: the pack's node classes and its one-time registrations (HTTP routes, start-up sweep)."""
+from __future__ import annotations
+
+from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, probe, train, train_routes
+from .comfy_io import ComfyExtension, io
+
+# A module that fails to import fails the pack loudly (ComfyUI prints IMPORT FAILED), which the e2e tests
+# look for.
+PRODUCT_NODES: list[type[io.ComfyNode]] = [
+    *load_model.NODES, *attention.NODES, *lora.NODES, *train.NODES, *loss_graph.NODES, *probe.NODES,
+]
+# Each register() is idempotent: HTTP routes, and the sweep of stale temporary files.
+REGISTRATIONS = (train_routes.register, lora_routes.register, housekeeping.register)
+
+
+def register_routes() -> None:
+    for register in REGISTRATIONS:
+        register()
+
+
+class PrecisionLoRAExtension(ComfyExtension):
+    """The product nodes plus ``extra_nodes`` (the demo nodes, passed in by the pack's ``__init__``)."""
+
+    def __init__(self, extra_nodes: list[type[io.ComfyNode]] = ()):
+        self.extra_nodes = list(extra_nodes)
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        # ComfyUI 0.3.75 never calls on_load; node loading happens before the server adds its routes,
+        # so this is the place to register ours.
+        register_routes()
+        return [*PRODUCT_NODES, *self.extra_nodes]

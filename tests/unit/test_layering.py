@@ -1,0 +1,123 @@
+"""The package map of docs/DEVELOPING.md, enforced on the source: who may import whom, no circles, no demo.
+
+Every import statement counts (module level, inside functions, under ``TYPE_CHECKING``): a lazy import is
+still a dependency a reader has to follow.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRODUCT = ("attention", "training", "lora", "probe", "precision_nodes")
+# What each package may import of the pack (besides itself). Bottom to top:
+# attention, training -> lora -> probe -> precision_nodes; demo/ sits beside the product, on top of it.
+ALLOWED = {
+    "attention": set(),
+    "training": set(),
+    "lora": {"attention", "training"},
+    "probe": {"attention", "training", "lora"},
+    "precision_nodes": {"attention", "training", "lora", "probe"},
+    "demo": {"attention", "training", "lora", "probe", "precision_nodes"},
+}
+PACK_PACKAGES = set(ALLOWED) | {"tests", "bench", "scripts"}
+
+
+def _modules(package: str) -> dict[str, str]:
+    found = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, package)):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name), ROOT)[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = os.path.join(dirpath, name)
+    return found
+
+
+def _imports(module: str, path: str) -> set[str]:
+    """Pack modules that ``module`` imports (relative imports resolved; ``from . import x`` -> ``pkg.x``)."""
+    tree = ast.parse(open(path).read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PACK_PACKAGES)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if (node.module or "").split(".")[0] in PACK_PACKAGES:
+                    out.add(node.module)
+                continue
+            base = package.split(".")
+            base = base[:len(base) - (node.level - 1)]
+            # base == [] is the pack root (``from ..training.files import x`` in lora/file.py).
+            target = ".".join(base + ([node.module] if node.module else []))
+            if not target:  # ``from .. import training``
+                out.update(a.name for a in node.names)
+                continue
+            if node.module:
+                out.add(target)
+            else:
+                out.update(f"{target}.{a.name}" for a in node.names)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {}
+    for package in ALLOWED:
+        modules.update(_modules(package))
+    graph = {}
+    for module, path in modules.items():
+        deps = set()
+        for target in _imports(module, path):
+            # ``from pkg.sub import name``: the module, whether ``name`` is a function or a sub-module.
+            deps.add(target if target in modules else target.rpartition(".")[0] if target.rpartition(".")[0] in modules
+                     else target)
+        graph[module] = deps - {module}
+    return graph
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    bad = []
+    for module, deps in _graph().items():
+        top = module.split(".")[0]
+        for dep in deps:
+            other = dep.split(".")[0]
+            if other != top and other not in ALLOWED[top]:
+                bad.append(f"{module} imports {dep}")
+    assert bad == []
+
+
+def test_no_product_module_imports_demo_or_test_code():
+    bad = [f"{m} imports {d}" for m, deps in _graph().items() if m.split(".")[0] in PRODUCT
+           for d in deps if d.split(".")[0] in ("demo", "tests", "bench", "scripts")]
+    assert bad == []
+
+
+def test_no_import_circle_in_the_product_packages():
+    graph = {m: {d for d in deps if d in set(_graph())} for m, deps in _graph().items() if m.split(".")[0] in PRODUCT}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert cycles == []
+
+
+def test_the_layering_test_sees_the_imports_it_guards():
+    # The checks above pass trivially if the parser misses imports: pin a few known edges.
+    graph = _graph()
+    assert "training.files" in graph["lora.file"]
+    assert "lora.layer" in graph["probe.survival"]
+    assert "precision_nodes.load_model" in graph["demo.tiny_models"]
+    assert "precision_nodes.train" in graph["precision_nodes.extension"]
