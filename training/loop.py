@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from .checkpoint import TrainingState
+from .distributed import DataParallel, active
 from .guard import NanGuard, all_finite
-from .optim import MasterWeights, apply_lr, build_optimizer
+from .masters import MasterWeights
+from .optim import apply_lr, build_optimizer, lr_multiplier
 from .outcome import Outcome, judge
 from .sampling import loss_weight, sample_u, weighted_mse
 from .settings import TrainSettings
@@ -99,7 +101,6 @@ class RunResult:
 
 
 def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
-    settings.validate()
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
         raise ValueError(f"[Precision LoRA] steps={steps!r}: must be an integer > 0")
     if len(data) == 0:
@@ -116,19 +117,22 @@ class _Run:
     """Live objects of one call of ``train`` (optimizer, generator, guard). Not part of the public API."""
 
     def __init__(self, module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings,
-                 seed: int, state: TrainingState | None) -> None:
+                 seed: int, state: TrainingState | None, parallel: DataParallel | None = None) -> None:
         self.module, self.data, self.fns, self.s, self.seed = module, data, fns, settings, seed
+        self.parallel = parallel
         self.names = {id(p): n for n, p in module.named_parameters()}
         groups = _param_groups(module, settings)
         self.gen = torch.Generator().manual_seed(seed)
         self.masters = MasterWeights(groups, self.gen)
-        self.optimizer = build_optimizer(groups, settings)
+        self.optimizer = build_optimizer(groups, settings.optimizer, settings.hyperparams)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.guard = NanGuard(settings.nan_patience, settings.nan_policy)
         self.step, self.history = 0, []
         self._step_start: tuple[torch.Tensor, dict[str, torch.Tensor]] = (self.gen.get_state(), {})
         if state is not None:
             self._restore(state)
+        if parallel is not None:  # every rank starts from rank 0's LoRA (and masters)
+            parallel.broadcast_([*module.parameters(), *(m for _, m in self.masters.masters())])
         self.guard.snapshot(self.step, self.params, self.optimizer)
 
     # ---- state ----
@@ -171,8 +175,14 @@ class _Run:
         fns, s = self.fns, self.s
         x0 = torch.stack([self.data[i].latent for i in ids]).to(fns.device, torch.float32)
         noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32).to(fns.device)
-        u = sample_u(s, len(ids), self.gen)
+        u = sample_u(s.sampler, len(ids), self.gen)
         sigma = fns.sigma_of_u(u)
+        mean_sigma = float(sigma.float().mean())
+        if self.parallel is not None:  # the whole group's randomness was drawn above: take this rank's rows
+            rows = self.parallel.rows(len(ids))
+            ids, x0, noise, u, sigma = ids[rows], x0[rows], noise[rows], u[rows], sigma[rows]
+            if not ids:
+                return torch.zeros(()), torch.zeros(()), mean_sigma
         x_t = fns.noise_latent(sigma, noise, x0)
         target = fns.target(sigma, noise, x0)
         share = len(ids) / batch
@@ -185,7 +195,7 @@ class _Run:
                 prior = fns.predict_base(x_t, sigma, ccond)  # type: ignore[misc]
             dop = s.dop_multiplier * (fns.predict(x_t, sigma, ccond).float() - prior.float()).pow(2).mean() * share
         ((loss + dop) / s.grad_accum).backward()
-        return loss.detach(), dop.detach(), float(sigma.float().mean())
+        return loss.detach(), dop.detach(), mean_sigma
 
     def _micro_batch(self, dop_on: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
         n = len(self.data)
@@ -205,13 +215,15 @@ class _Run:
         """1. lr  2. accumulate  3. guard  4. clip + step  5. record. Returns (history point, guard outcome)."""
         s = self.s
         self._step_start = (self.gen.get_state(), _get_extra_rng(self.module))
-        lr = apply_lr(self.optimizer, self.step, s)
+        lr = apply_lr(self.optimizer, lr_multiplier(self.step, s.schedule))
         dop_on = s.dop_multiplier > 0 and self.step % s.dop_every_n == 0
         loss, dop, sigma = torch.zeros(()), torch.zeros(()), 0.0
         for _ in range(s.grad_accum):
             m_loss, m_dop, m_sigma = self._micro_batch(dop_on)
             loss, dop, sigma = loss + m_loss / s.grad_accum, dop + m_dop / s.grad_accum, sigma + m_sigma / s.grad_accum
         self.masters.pull_grads()
+        if self.parallel is not None:  # every rank now holds the global batch's gradient and loss
+            loss, dop = self.parallel.reduce(self.params, [loss, dop])
         outcome = "ok"
         norm = _total_norm([p.grad for p in self.params if p.grad is not None])
         if not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
@@ -293,18 +305,23 @@ def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
 
 def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,
           seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None,
-          hand_over: bool = False) -> RunResult:
+          hand_over: bool = False, parallel: DataParallel | None = None) -> RunResult:
     """Run ``steps`` optimizer steps on ``module``'s parameters (trained in place), continuing ``state``.
 
     Autograd must be enabled by the caller (see ``training.grad.autograd_enabled``). Raises ValueError on
     bad input before anything is modified. Returns the final snapshot and how the run ended.
     ``hand_over``: the caller never trains ``module`` again (the node trains a fresh copy each time), so
     the final state may share the module's CPU parameters instead of holding a second copy of them.
+    ``parallel``: this process's share of a data-parallel run (``training.distributed``); default: the
+    run registered with ``training.distributed.activate``, if any.
     """
     _check_inputs(data, steps, settings, fns)
     hooks = hooks or Hooks()
+    parallel = parallel if parallel is not None else active()
+    if parallel is not None:
+        hooks = parallel.wrap(hooks)
     was_training = module.training
-    run = _Run(module, data, fns, settings, seed, state)
+    run = _Run(module, data, fns, settings, seed, state, parallel)
     result = RunResult()
     start = (run.step, run.guard.skipped, run.guard.rollbacks)
     module.train(True)
