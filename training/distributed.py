@@ -21,13 +21,10 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # the loop imports this module; the loop's Hooks are only named in annotations here
-    from .loop import Hooks
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +100,8 @@ class DataParallel:
         dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)
         return _CODES[int(code.item())]
 
-    def wrap(self, hooks: "Hooks") -> "Hooks":
-        """Hooks for this rank: requests agreed over all ranks; only rank 0 writes checkpoints."""
+    def wrap(self, hooks: Any) -> Any:
+        """``training.loop.Hooks`` (not imported: the loop imports this module) for this rank: requests agreed over all ranks; only rank 0 writes checkpoints."""
         on_step = hooks.on_step
 
         def agreed(report):
