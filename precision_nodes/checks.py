@@ -8,7 +8,8 @@ Every pack node derives from ``PrecisionNode``:
 
 - ``validate_inputs(**values)`` checks each value ComfyUI hands over against the node's own schema
   (``INPUT_TYPES``): FLOAT/INT through ``training.checks.number_problem`` with the declared min/max, COMBO
-  against its options, BOOLEAN, and the inputs named in ``FILE_NAME_INPUTS`` through ``name_problem``.
+  against its options, BOOLEAN, and the inputs named in ``FILE_NAME_INPUTS`` through
+  ``file_names.name_problem``.
   Then the node's ``check(values)`` runs the rules that need no tensors (regexes, combinations, files that
   must exist). Linked inputs arrive as None during validation and are skipped.
 - ``execute`` is wrapped (once, in ``__init_subclass__``) to run the same gate on the values it really
@@ -22,8 +23,9 @@ import functools
 import inspect
 from typing import Any, Callable, ClassVar, Mapping
 
-from ..training.checks import name_problem, number_problem, show
+from ..training.checks import number_problem, show
 from .comfy_io import io
+from .file_names import name_problem
 
 MAX_LISTED_OPTIONS = 12
 

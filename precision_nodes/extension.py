@@ -1,7 +1,7 @@
 """The V3 extension: the pack's node classes and its one-time registrations (HTTP routes, start-up sweep)."""
 from __future__ import annotations
 
-from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, probe, train, train_routes
+from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, probe, train, train_routes
 from .comfy_io import ComfyExtension, io
 
 # A module that fails to import fails the pack loudly (ComfyUI prints IMPORT FAILED), which the e2e tests
@@ -10,7 +10,7 @@ PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *load_model.NODES, *attention.NODES, *lora.NODES, *train.NODES, *loss_graph.NODES, *probe.NODES,
 ]
 # Each register() is idempotent: HTTP routes, and the sweep of stale temporary files.
-REGISTRATIONS = (train_routes.register, lora_routes.register, housekeeping.register)
+REGISTRATIONS = (train_routes.register, lora_routes.register, model_info.register, housekeeping.register)
 
 
 def register_routes() -> None:

@@ -17,14 +17,11 @@ import folder_paths
 from .checks import PrecisionNode
 from .comfy_compat import fit_flux_config, set_reload
 from .comfy_io import io
-from .model_info import describe_model
+from .model_info import UNET_CONFIG_KEY, describe_model
 
 log = logging.getLogger(__name__)
 
 NODE = "PrecisionLoadDiffusionModel"
-# Files whose architecture ComfyUI cannot detect from tensor shapes alone (e.g. Flux at other than 24 x 128
-# heads) carry their unet config as JSON under this metadata key; the loader builds them from it.
-UNET_CONFIG_KEY = "precision_lora.unet_config"
 WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "default": None,
     "bf16": torch.bfloat16,

@@ -20,8 +20,9 @@ import torch
 from ..lora.layer import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
 from ..lora.file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
                                   read_lora_file)
-from ..training.checks import name_problem, show
+from ..training.checks import show
 from ..lora.targets import select_targets
+from .file_names import inside, name_problem
 from .model_info import describe_model
 
 log = logging.getLogger(__name__)
@@ -262,8 +263,7 @@ def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
         path = os.path.join(out_dir, f"{name}_{counter:05}_.safetensors")
     else:
         path = os.path.join(base, prefix if prefix.endswith(".safetensors") else prefix + ".safetensors")
-    real_base = os.path.realpath(base)
-    if os.path.commonpath((real_base, os.path.realpath(os.path.dirname(path)))) != real_base:
+    if not inside(base, os.path.dirname(path)):
         raise ValueError(
             f"[Precision LoRA] PrecisionSaveLoRA: filename_prefix={prefix!r} resolves outside {base} (through a symlink): "
             "choose a name inside the folder"

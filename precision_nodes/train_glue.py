@@ -31,6 +31,7 @@ from ..lora.file import default_key_style, lora_state_dict, save_lora_file
 from ..training.loop import ModelFns
 from ..training.settings import TrainSettings
 from .comfy_compat import model_gradients
+from .file_names import inside, name_problem
 from .lora_glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
 from .model_info import describe_model
 
@@ -261,11 +262,11 @@ def resolve_resume(name: str) -> str:
     """Path of the state file for ``name`` (a checkpoint's LoRA or state file name inside the checkpoint
     folder). ValueError for names outside that folder or missing files."""
     folder = os.path.realpath(checkpoint_dir())
-    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} must be a file name "
-                         f"inside {folder}, not a path")
+    reason = name_problem(name, subfolders=False)
+    if reason:
+        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} {reason}")
     path = os.path.realpath(os.path.join(folder, state_path_for(name)))
-    if os.path.commonpath([folder, path]) != folder:
+    if not inside(folder, path):
         raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} leaves {folder}")
     if not os.path.isfile(path):
         raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r}: no checkpoint state "

@@ -135,7 +135,7 @@ def test_model_info_route_reads_anima_heads_from_the_header(model_file, pack_mod
     MiniTrainDIT's for Anima files too (they were left out, so the display showed no scale)."""
     import folder_paths
 
-    info = pack_module("precision_nodes.lora_routes").model_info(folder_paths.get_full_path("diffusion_models", model_file))
+    info = pack_module("precision_nodes.model_info").describe_file(folder_paths.get_full_path("diffusion_models", model_file))
     assert (info["family"], info["heads"], info["head_dim"]) == ("anima", 16, 12)
     assert info["default_scale"] == pytest.approx(12 ** -0.5)
 

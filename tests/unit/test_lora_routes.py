@@ -1,34 +1,21 @@
-"""The LoRA metadata route: name checks (.., absolute paths, symlinks), summary, HTTP answers.
+"""The LoRA metadata route: summary, answers and HTTP statuses (its name checks: test_file_names.py).
 
-precision_nodes/lora_routes.py imports ComfyUI only in register(), so it is loaded here by file path (the package
-name `nodes` would clash with ComfyUI's own nodes module in a mixed test session).
+precision_nodes/lora_routes.py imports ComfyUI only in register(), so it is imported here through the pack
+root that scripts/pure_packages.py installs.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import importlib
 import os
-import sys
 
 import pytest
 import torch
+from pure_packages import PACK
 from safetensors.torch import save_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    name = "precision_lora_routes_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "precision_nodes", "lora_routes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lr = _load()
+lr = importlib.import_module(f"{PACK}.precision_nodes.lora_routes")
+fn = importlib.import_module(f"{PACK}.precision_nodes.file_names")
 
 META = {
     "ss_network_dim": "4",
@@ -68,68 +55,6 @@ def tree(tmp_path):
     return {"roots": [str(a), str(b)], "a": a, "b": b, "outside": outside}
 
 
-def test_names_inside_the_folders_resolve(tree):
-    roots = tree["roots"]
-    assert lr.resolve_lora_name("mine.safetensors", roots) == os.path.realpath(tree["a"] / "mine.safetensors")
-    assert lr.resolve_lora_name("sub/deep.safetensors", roots).endswith(os.path.join("sub", "deep.safetensors"))
-    assert lr.resolve_lora_name("sub\\deep.safetensors", roots).endswith(os.path.join("sub", "deep.safetensors"))
-    assert lr.resolve_lora_name("second.safetensors", roots) == os.path.realpath(tree["b"] / "second.safetensors")
-    # a symlink that stays inside the folder is fine
-    assert lr.resolve_lora_name("link_in.safetensors", roots) == os.path.realpath(tree["a"] / "mine.safetensors")
-
-
-@pytest.mark.parametrize("name", [
-    "../outside/secret.safetensors",
-    "../../outside/secret.safetensors",
-    "sub/../../../outside/secret.safetensors",
-    "..\\..\\outside\\secret.safetensors",
-    "sub/..",
-    "..",
-])
-def test_dotdot_is_refused(tree, name):
-    with pytest.raises(lr.LoraNameError) as e:
-        lr.resolve_lora_name(name, tree["roots"])
-    assert e.value.status == 403
-    assert "'..'" in str(e.value)
-
-
-def test_absolute_paths_are_refused_even_inside_the_folder(tree):
-    inside = str(tree["a"] / "mine.safetensors")
-    for name in (inside, str(tree["outside"] / "secret.safetensors"), "/etc/passwd", "C:\\x\\y.safetensors",
-                 "c:y.safetensors", "\\\\server\\share\\y.safetensors", "~/y.safetensors"):
-        with pytest.raises(lr.LoraNameError) as e:
-            lr.resolve_lora_name(name, tree["roots"])
-        assert e.value.status == 403, name
-        assert "absolute" in str(e.value)
-
-
-@pytest.mark.parametrize("name", ["link_out.safetensors", "dir_out/secret.safetensors"])
-def test_symlinks_leaving_the_folder_are_refused(tree, name):
-    with pytest.raises(lr.LoraNameError) as e:
-        lr.resolve_lora_name(name, tree["roots"])
-    assert e.value.status == 403
-    assert "outside the loras folders" in str(e.value)
-
-
-@pytest.mark.parametrize("name,status", [
-    ("", 400), ("   ", 400), (None, 400), ("a\x00.safetensors", 400), ("x" * 2000 + ".safetensors", 400),
-    ("notes.txt", 400), ("sub//deep.safetensors", 400), ("missing.safetensors", 404), ("sub/missing.safetensors", 404),
-    ("sub", 400),
-])
-def test_bad_or_missing_names(tree, name, status):
-    with pytest.raises(lr.LoraNameError) as e:
-        lr.resolve_lora_name(name, tree["roots"])
-    assert e.value.status == status
-    assert str(e.value).startswith("[Precision LoRA]")
-
-
-def test_a_directory_named_like_a_lora_is_not_found(tree):
-    os.makedirs(tree["a"] / "folder.safetensors")
-    with pytest.raises(lr.LoraNameError) as e:
-        lr.resolve_lora_name("folder.safetensors", tree["roots"])
-    assert e.value.status == 404
-
-
 def test_lookup_returns_metadata_and_summary(tree):
     status, body = lr.lookup("mine.safetensors", tree["roots"])
     assert status == 200
@@ -164,7 +89,7 @@ def test_http_handler_answers_with_status_and_json(tree):
 
     async def run():
         app = web.Application()
-        app.router.add_get(lr.ROUTE, lr.make_handler(lambda: tree["roots"]))
+        app.router.add_get(lr.ROUTE, fn.handler(lambda: tree["roots"], lr.lookup))
         async with TestClient(TestServer(app)) as client:
             out = {}
             for label, query in {
