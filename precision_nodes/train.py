@@ -5,7 +5,7 @@ Defaults come from ``TrainSettings``; every option list from the registry that i
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import comfy.model_management as mm
 import comfy.utils
@@ -18,11 +18,11 @@ from .checks import PrecisionNode
 from .comfy_io import io
 from .train_data import build_samples
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
-from .train_routes import start_job
+from .train_jobs import finish_job, start_job, stopped_runs
 from .types import LossMapType, TrainingStateType, TrainSettingsType
 
 log = logging.getLogger(__name__)
-D = TrainSettings()
+DEFAULTS = TrainSettings()
 CATEGORY = "precision_lora/train"
 
 
@@ -32,15 +32,15 @@ def _node_error(node: str, exc: Exception) -> ValueError:
 
 
 def _float(name: str, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
-    return io.Float.Input(name, default=getattr(D, name), min=lo, max=hi, step=step, tooltip=tip)
+    return io.Float.Input(name, default=getattr(DEFAULTS, name), min=lo, max=hi, step=step, tooltip=tip)
 
 
 def _int(name: str, lo: int, hi: int, tip: str) -> io.Int.Input:
-    return io.Int.Input(name, default=getattr(D, name), min=lo, max=hi, step=1, tooltip=tip)
+    return io.Int.Input(name, default=getattr(DEFAULTS, name), min=lo, max=hi, step=1, tooltip=tip)
 
 
 def _combo(name: str, options: list[str], tip: str) -> io.Combo.Input:
-    return io.Combo.Input(name, options=options, default=getattr(D, name), tooltip=tip)
+    return io.Combo.Input(name, options=options, default=getattr(DEFAULTS, name), tooltip=tip)
 
 
 def _optimizer_tip() -> str:
@@ -78,7 +78,7 @@ def _settings_inputs() -> list:
         _int("checkpoint_every", 0, 1000000, "Write a checkpoint every N optimizer steps into output/precision_lora/checkpoints (0 = only on stop/cancel)."),
         _combo("nan_policy", list(NAN_POLICIES), "; ".join(f"{k}: {v}" for k, v in NAN_POLICIES.items())),
         _int("nan_patience", 1, 100, "Non-finite steps in a row before rollback / stop."),
-        io.Boolean.Input("gradient_checkpointing", default=D.gradient_checkpointing,
+        io.Boolean.Input("gradient_checkpointing", default=DEFAULTS.gradient_checkpointing,
                          tooltip="Recompute every transformer block but the last in backward: far less activation "
                                  "memory for more time per step (bench/train.py measures both)."),
     ]
@@ -100,29 +100,30 @@ class PrecisionTrainSettings(PrecisionNode):
     @classmethod
     def check(cls, values: dict) -> str | None:
         """Rules across inputs (warmup vs schedule, ...) and whether the optimizer is installed."""
-        if any(values.get(f) is None for f in D.to_dict()):
+        if any(values.get(f) is None for f in DEFAULTS.to_dict()):
             return None  # a linked input: checked again when the node runs
-        return settings_problem(TrainSettings(**{f: values[f] for f in D.to_dict()}))
+        built = build_settings({f: values[f] for f in DEFAULTS.to_dict()})
+        return built if isinstance(built, str) else None
 
     @classmethod
     def execute(cls, **kwargs: Any) -> io.NodeOutput:
-        settings = TrainSettings(**kwargs)
-        problem = settings_problem(settings)
-        if problem is not None:
-            raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: {problem}")
-        return io.NodeOutput(settings)
+        built = build_settings(kwargs)
+        if isinstance(built, str):
+            raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: {built}")
+        return io.NodeOutput(built)
 
 
-def settings_problem(settings: TrainSettings) -> str | None:
-    """Why ``settings`` cannot train here (invalid, or the optimizer is not installed), with the fix; or None."""
+def build_settings(values: Mapping[str, Any]) -> TrainSettings | str:
+    """The settings ``values`` describe, or why they cannot train here (invalid, or the optimizer is not
+    installed) with the fix."""
     try:
-        settings.validate()
+        settings = TrainSettings(**values)
     except ValueError as exc:
         return str(exc).replace("[Precision LoRA] ", "", 1)
     reason = optim.available()[settings.optimizer]
     if reason is not None:
         return f"input 'optimizer'={settings.optimizer!r} is {reason}, or choose 'adamw'"
-    return None
+    return settings
 
 
 def _send(event: str, data: dict) -> None:
@@ -179,13 +180,9 @@ class PrecisionTrainLoRA(PrecisionNode):
     NODE = "PrecisionTrainLoRA"
     FILE_NAME_INPUTS = {"name": (False, False), "resume_from": (False, True)}
 
-    # Bumped whenever a run ends early on Stop: ComfyUI must not serve that partial result from its cache
-    # when the same graph is queued again (an unchanged graph that finished normally stays cached).
-    stopped_runs = 0
-
     @classmethod
     def fingerprint_inputs(cls, **_: Any) -> int:
-        return PrecisionTrainLoRA.stopped_runs
+        return stopped_runs()  # changes when a run ends early: its partial result is never served from cache
 
     @classmethod
     def check(cls, values: dict) -> str | None:
@@ -235,12 +232,8 @@ class PrecisionTrainLoRA(PrecisionNode):
     def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
                 training_state=None, resume_from=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
-        cfg = _flat(settings, TrainSettings())
+        cfg = _flat(settings, DEFAULTS)  # validated when it was built
         state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
-        try:
-            cfg.validate()
-        except ValueError as exc:
-            raise _node_error("PrecisionTrainLoRA", exc) from exc
         if resume:
             state = load_state(resolve_resume(resume))
         out, lora_set = fork_lora(model)
@@ -252,16 +245,15 @@ class PrecisionTrainLoRA(PrecisionNode):
         hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
                       is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
+        result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks)
         finally:
-            job.running = False
+            finish_job(job, stopped=result is not None and result.stopped)
         checkpoint = result.checkpoints[-1] if result.checkpoints else None
         outcome = result.outcome
         lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
         lora_set.info["precision_lora_outcome"] = outcome.summary()
-        if result.stopped:
-            PrecisionTrainLoRA.stopped_runs += 1
         _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint,
                                             "failed": not outcome.ok, "outcome": outcome.summary()})

@@ -37,14 +37,15 @@ from .model_info import describe_model
 
 log = logging.getLogger(__name__)
 
-# Families whose blocks add residuals in place (COMFYUI.md §4); unknown families are treated the same.
+# Families whose blocks add residuals out of place, so autograd's saved tensors need no copies; every
+# other family, unknown ones included, is treated as adding in place (Flux does).
 # Anima: Cosmos-Predict2 blocks + an LLM adapter whose blocks add out of place (tests/comfy/test_anima.py).
 CLEAN_FAMILIES = {"cosmos_predict2", "anima", "qwen_image", "wan", "lumina2", "sd3"}
 BLOCK_LISTS = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "layers", "joint_blocks")
 
 
 def needs_in_place_fix(model: Any) -> bool:
-    """True unless the family is known to have no in-place residual adds (COMFYUI.md §4)."""
+    """True unless the family is known to have no in-place residual adds."""
     return describe_model(model).family not in CLEAN_FAMILIES
 
 
@@ -212,7 +213,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
             # The last block is left out: backward needs its activations first, so recomputing them would
             # cost a block's forward without lowering the peak (bench/train.py measures both).
             blocks = find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
-            with checkpoint_blocks(blocks, in_place_safe=needs_in_place_fix(model), rng=lora_set.rng):
+            with checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng):
                 yield device
     finally:
         for p, flag in frozen:

@@ -15,14 +15,13 @@ pending or being written is coalesced into it (``"coalesced": true``): requests 
 "points": [{"step", "loss", "lr", "sigma"}...]}`` of the current (or last) run when that client queued it,
 so a reloaded page can redraw its chart; other clients get the empty history.
 
-``TrainJob`` (the running job's control requests and loss history) lives here, free of ComfyUI, so tests
-drive the handlers with aiohttp's test client; ``register()`` binds them to ComfyUI's server.
+The handlers take the job to act on from a callable, so tests drive them with aiohttp's test client over
+any ``train_jobs.TrainJob``; ``register()`` binds them to ComfyUI's server and the process's job slot.
 """
 from __future__ import annotations
 
 import json
 import logging
-import threading
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -35,78 +34,6 @@ USAGE = '{"action": "stop" | "checkpoint", "client_id": "<your clientId>", "node
 EMPTY_HISTORY: dict[str, Any] = {"running": False, "node_id": None, "prompt_id": None, "points": []}
 
 _registered = False
-
-
-class TrainJob:
-    """The training job that runs now (or ran last): its owner, control requests and loss history."""
-
-    def __init__(self, node_id: str | None, prompt_id: str | None, points: list[dict],
-                 client_id: str | None = None) -> None:
-        self.node_id, self.prompt_id, self.client_id = node_id, prompt_id, client_id
-        self.points = list(points)
-        self.running = True
-        self.step = points[-1]["step"] if points else 0
-        self._pending: set[str] = set()
-        self._writing = False  # a checkpoint is handed out or being written
-        self._lock = threading.Lock()
-
-    def owned_by(self, client_id: object) -> bool:
-        return self.client_id is not None and isinstance(client_id, str) and client_id == self.client_id
-
-    def request(self, action: str) -> bool:
-        """Queue ``action``; returns True when it was coalesced into one already pending or being written."""
-        with self._lock:
-            if action in self._pending or (action == "checkpoint" and self._writing):
-                return True  # the checkpoint being written now is the one asked for
-            self._pending.add(action)
-            return False
-
-    def take_request(self) -> str | None:
-        """The next action for the loop: stop wins over a pending checkpoint."""
-        with self._lock:
-            if "stop" in self._pending:
-                self._pending.clear()
-                return "stop"
-            if "checkpoint" in self._pending:
-                self._pending.discard("checkpoint")
-                self._writing = True
-                return "checkpoint"
-            return None
-
-    def tracked(self, save: Callable[[Any, str], str]) -> Callable[[Any, str], str]:
-        """``save`` (the loop's checkpoint writer) marking the job as writing while it runs."""
-        def write(state: Any, reason: str) -> str:
-            with self._lock:
-                self._writing = True
-            try:
-                return save(state, reason)
-            finally:
-                with self._lock:
-                    self._writing = False
-        return write
-
-    def add_point(self, point: dict) -> None:
-        with self._lock:
-            self.points.append(point)
-            self.step = point["step"]
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"running": self.running, "node_id": self.node_id, "prompt_id": self.prompt_id,
-                    "points": [dict(p) for p in self.points]}
-
-
-_current: dict[str, TrainJob | None] = {"job": None}
-
-
-def start_job(node_id: str | None, prompt_id: str | None, points: list[dict], client_id: str | None = None) -> TrainJob:
-    job = TrainJob(node_id, prompt_id, points, client_id)
-    _current["job"] = job
-    return job
-
-
-def current_job() -> TrainJob | None:
-    return _current["job"]
 
 
 def _fail(status: int, error: str):
@@ -192,6 +119,8 @@ def register() -> None:
     if _registered:
         return
     from server import PromptServer
+
+    from .train_jobs import current_job
 
     routes = PromptServer.instance.routes
     routes.post(CONTROL_ROUTE)(make_control_handler(current_job))

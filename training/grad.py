@@ -130,7 +130,7 @@ class RNGState(Protocol):
     def set_state(self, state: Any) -> None: ...
 
 
-def _checkpointed(forward: Any, in_place_safe: bool, rng: RNGState | None) -> Any:
+def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -142,7 +142,7 @@ def _checkpointed(forward: Any, in_place_safe: bool, rng: RNGState | None) -> An
         calls = []
 
         def call(ts: Sequence[torch.Tensor]) -> Any:
-            if not in_place_safe:  # blocks without in-place residual adds need neither clone
+            if not in_place_adds:  # blocks without in-place residual adds need neither clone
                 a, k = _rebuild(template, ts)
                 return forward(*a, **k)
             # Recomputation sees detached leaf inputs; the block adds to them in place, so give it clones.
@@ -168,12 +168,12 @@ def _checkpointed(forward: Any, in_place_safe: bool, rng: RNGState | None) -> An
 
 
 @contextlib.contextmanager
-def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True,
+def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
                       rng: RNGState | None = None) -> Iterator[int]:
     """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
 
-    ``in_place_safe``: clone block inputs and saved tensors in the recomputation (needed for blocks that
-    add residuals in place, e.g. Flux; False skips the copies for blocks that do not).
+    ``in_place_adds``: the blocks add residuals in place (e.g. Flux), so the recomputation clones block
+    inputs and saved tensors; False (blocks that add out of place) skips the copies.
     ``rng``: explicit generators the blocks draw from (LoRA dropout): the recomputation replays their
     draws, which torch's ``preserve_rng_state`` does not, and leaves them where the forward left them.
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
@@ -183,7 +183,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_safe: bool = True,
     try:
         for block in blocks:
             previous = block.__dict__.get("forward")
-            block.forward = _checkpointed(block.forward, in_place_safe, rng)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, in_place_adds, rng)  # type: ignore[method-assign]
             patched.append((block, previous))
         yield len(patched)
     finally:

@@ -29,10 +29,6 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     return True
 
 
-def grads_finite(params: Iterable[torch.Tensor]) -> bool:
-    return all_finite(p.grad for p in params if p.grad is not None)
-
-
 def assert_finite(obj: Any, what: str) -> None:
     """Raise NonFiniteError if any floating tensor nested in ``obj`` (dict/list/tensor) is non-finite."""
     if isinstance(obj, Mapping):

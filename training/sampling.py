@@ -33,12 +33,10 @@ Loss weightings (w multiplies each sample's MSE before the batch mean):
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-
-if TYPE_CHECKING:
-    from .settings import TrainSettings
 
 U_EPS = 1e-4  # keeps u off the schedule's end points (sigma = 0 or infinity)
 
@@ -67,9 +65,15 @@ BELL_CENTER = 0.5
 BELL_WIDTH = 0.25
 
 
-def available() -> dict[str, str]:
-    """Sampler name -> one-line definition (all are always available)."""
-    return dict(TIMESTEP_SAMPLERS)
+@dataclass(frozen=True)
+class Sampler:
+    """A timestep sampler by name and the parameters the samplers read (validated by ``TrainSettings``)."""
+
+    name: str
+    logit_mean: float
+    logit_std: float
+    sigmoid_scale: float
+    shift: float
 
 
 def _uniform(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -95,14 +99,14 @@ def _balanced(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.where(coin, low, 1.0 - low)
 
 
-def sample_u(settings: TrainSettings, n: int, gen: torch.Generator) -> torch.Tensor:
+def sample_u(sampler: Sampler, n: int, gen: torch.Generator) -> torch.Tensor:
     """Draw ``n`` noise fractions, float64 (n,), in [U_EPS, 1 - U_EPS]. Consumes only ``gen``."""
-    name = settings.timestep_sampling
+    name, s = sampler.name, sampler
     draws: dict[str, Callable[[], torch.Tensor]] = {
         "uniform": lambda: _uniform(n, gen),
-        "logit_normal": lambda: torch.sigmoid(settings.logit_mean + settings.logit_std * _normal(n, gen)),
-        "sigmoid": lambda: torch.sigmoid(settings.sigmoid_scale * _normal(n, gen)),
-        "shift": lambda: shift_time(_uniform(n, gen), settings.shift),
+        "logit_normal": lambda: torch.sigmoid(s.logit_mean + s.logit_std * _normal(n, gen)),
+        "sigmoid": lambda: torch.sigmoid(s.sigmoid_scale * _normal(n, gen)),
+        "shift": lambda: shift_time(_uniform(n, gen), s.shift),
         "content": lambda: _content(n, gen),
         "style": lambda: 1.0 - _content(n, gen),
         "balanced": lambda: _balanced(n, gen),

@@ -1,8 +1,9 @@
-"""Training settings: one frozen dataclass, validated in one place.
+"""Training settings: one frozen dataclass, validated once, when it is built.
 
 ``TrainSettings`` is what ``PrecisionTrainSettings`` builds and ``PrecisionTrainLoRA`` consumes. Every
 option list (optimizers, schedules, samplers, weightings, targets, NaN policies) comes from the registry
-that implements it, so a name accepted here is a name the loop can run.
+that implements it, so a name accepted here is a name the loop can run. The registries take only the
+few values they read (``schedule``, ``sampler``, ``hyperparams``), never the whole settings object.
 """
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .checks import number_problem
-from .optim import OPTIMIZERS, SCHEDULES
-from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS
+from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule
+from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
 
 NAN_POLICIES: dict[str, str] = {
     "rollback": "skip a non-finite step; after `nan_patience` bad steps in a row restore the last good LoRA + optimizer",
@@ -26,7 +27,10 @@ def _err(field: str, value: object, fix: str) -> ValueError:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Optimizer, schedule, sampling, loss and safety options of a training run (no model, no data)."""
+    """Optimizer, schedule, sampling, loss and safety options of a training run (no model, no data).
+
+    Construction validates (ValueError naming the field, the bad value and the fix), so every instance
+    in circulation is valid and nothing downstream checks it again."""
 
     optimizer: str = "adamw"
     learning_rate: float = 1e-4
@@ -55,6 +59,21 @@ class TrainSettings:
     nan_policy: str = "rollback"
     nan_patience: int = 3
     gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def schedule(self) -> Schedule:
+        return Schedule(self.lr_schedule, self.warmup_steps, self.schedule_steps, self.restarts)
+
+    @property
+    def sampler(self) -> Sampler:
+        return Sampler(self.timestep_sampling, self.logit_mean, self.logit_std, self.sigmoid_scale, self.shift)
+
+    @property
+    def hyperparams(self) -> Hyperparams:
+        return Hyperparams((self.beta1, self.beta2), self.eps, self.weight_decay)
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the bad value and the fix."""

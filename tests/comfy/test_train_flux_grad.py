@@ -223,7 +223,7 @@ def test_cosmos_checkpointing_without_copies_gives_the_same_gradients(mods):
             return fns.predict(x, sigma, cond).pow(2).sum()
 
         plain = _autograd(params, loss)
-        ckpt = _autograd(params, loss, lambda: mods.grad.checkpoint_blocks(dm.blocks, in_place_safe=False))
+        ckpt = _autograd(params, loss, lambda: mods.grad.checkpoint_blocks(dm.blocks, in_place_adds=False))
     assert mods.tglue.needs_in_place_fix(model) is False
     assert len(plain) == len(ckpt) > 0
     for a, b in zip(plain, ckpt):

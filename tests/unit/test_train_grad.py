@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from training.grad import checkpoint_blocks
-from lora.layer import LoRAConfig, LoRASet
+from lora.config import LoRAConfig
+from lora.layer import LoRASet
 
 
 class Block(nn.Module):
@@ -35,7 +36,7 @@ def _toy(dropout: float):
 def _grads_and_next_mask(checkpointed: bool, dropout: float):
     lora, blocks = _toy(dropout)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    with checkpoint_blocks(list(blocks) if checkpointed else [], in_place_safe=False,
+    with checkpoint_blocks(list(blocks) if checkpointed else [], in_place_adds=False,
                            rng=lora.rng):
         h = x
         for b in blocks:

@@ -184,16 +184,17 @@ def test_bf16_lora_uses_fp32_masters_and_resumes_exactly() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"steps": 0}, "steps=0: must be an integer > 0"),
     ({"data": []}, "the dataset is empty"),
-    ({"settings": TrainSettings(learning_rate=0.0)}, "learning_rate=0.0: must be > 0"),
-    ({"settings": TrainSettings(optimizer="lion")}, "optimizer='lion': unknown"),
-    ({"settings": TrainSettings(dop_multiplier=1.0)}, "needs a class conditioning"),
+    # settings are built inside the check: bad settings raise when they are built, before train() runs
+    ({"settings": lambda: TrainSettings(learning_rate=0.0)}, "learning_rate=0.0: must be > 0"),
+    ({"settings": lambda: TrainSettings(optimizer="lion")}, "optimizer='lion': unknown"),
+    ({"settings": lambda: TrainSettings(dop_multiplier=1.0)}, "needs a class conditioning"),
 ])
 def test_bad_input_raises_before_anything_changes(kwargs, message) -> None:
     net = ToyNet(DIM)
     before = {n: p.detach().clone() for n, p in net.lora.named_parameters()}
-    args = {"data": toy_data(1, DIM), "settings": TrainSettings(), "steps": 3, **kwargs}
+    args = {"data": toy_data(1, DIM), "settings": TrainSettings, "steps": 3, **kwargs}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        train(net.lora, args["data"], toy_fns(net), args["settings"], steps=args["steps"])
+        train(net.lora, args["data"], toy_fns(net), args["settings"](), steps=args["steps"])
     assert all(torch.equal(before[n], p) for n, p in net.lora.named_parameters())
 
 

@@ -6,15 +6,21 @@ import math
 import pytest
 import torch
 
-from training.optim import (BASE_LR_KEY, OPTIMIZERS, MasterWeights, apply_lr, available, build_optimizer,
-                            lr_multiplier, stochastic_round_)
+from training.masters import MasterWeights, stochastic_round_
+from training.optim import BASE_LR_KEY, OPTIMIZERS, apply_lr, available, lr_multiplier
+from training.optim import build_optimizer as _build_optimizer
 from training.settings import TrainSettings
+
+
+def build_optimizer(groups, s: TrainSettings):
+    """The optimizer the loop builds for settings ``s`` (only the name and hyperparameters; the lr is the groups')."""
+    return _build_optimizer(groups, s.optimizer, s.hyperparams)
 
 
 def _mults(steps, **kw):
     s = TrainSettings(**kw)
     s.validate()
-    return [lr_multiplier(i, s) for i in steps]
+    return [lr_multiplier(i, s.schedule) for i in steps]
 
 
 def test_schedules_against_closed_forms():
@@ -34,7 +40,7 @@ def test_apply_lr_keeps_loraplus_ratio_per_group():
     s = TrainSettings(learning_rate=1e-3, lr_schedule="linear", schedule_steps=4, loraplus_ratio=16)
     opt = build_optimizer([{"params": [a], "lr": 1e-3}, {"params": [b], "lr": 1.6e-2}], s)
     assert [g[BASE_LR_KEY] for g in opt.param_groups] == [1e-3, 1.6e-2]
-    apply_lr(opt, 2, s)
+    apply_lr(opt, lr_multiplier(2, s.schedule))
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([5e-4, 8e-3])
 
 
@@ -98,7 +104,7 @@ def test_cpu_float_parameters_get_the_fused_kernel_with_the_same_update(name):
         opt = build_optimizer([{"params": params, "lr": 1e-2}], s)
         if kernel == "foreach":  # the reference: torch's multi-tensor implementation of the same algorithm
             same = {k: v for k, v in opt.defaults.items() if k not in ("fused", "foreach", "decoupled_weight_decay")}
-            opt = type(opt)([{"params": params}], **same, foreach=True)
+            opt = type(opt)([{"params": params, "lr": 1e-2}], **same, foreach=True)
         assert all(g.get(kernel) is True for g in opt.param_groups)
         for step in grads:
             for p, g in zip(params, step):

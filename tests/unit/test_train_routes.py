@@ -14,14 +14,14 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("precision_train_routes", os.path.join(ROOT, "precision_nodes", "train_routes.py"))
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"precision_{name}", os.path.join(ROOT, "precision_nodes", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-tr = _module()
+tr, jobs = _module("train_routes"), _module("train_jobs")
 
 
 def _drive(job, calls):
@@ -56,7 +56,7 @@ def test_control_without_a_running_job_is_409():
 
 
 def test_control_requests_of_the_owner_reach_the_running_job():
-    job = tr.TrainJob("7", "p1", [{"step": 1, "loss": 0.5, "lr": 1e-4, "sigma": 0.3}], client_id="me")
+    job = jobs.TrainJob("7", "p1", [{"step": 1, "loss": 0.5, "lr": 1e-4, "sigma": 0.3}], client_id="me")
     out = _drive(job, [("POST", _body("checkpoint")), ("POST", _body("stop", node_id="7"))])
     assert out[0] == (200, {"ok": True, "action": "checkpoint", "node_id": "7", "step": 1, "coalesced": False})
     assert out[1][0] == 200 and out[1][1]["action"] == "stop"
@@ -70,7 +70,7 @@ def test_control_requests_of_the_owner_reach_the_running_job():
 
 def test_another_client_can_neither_control_nor_read_the_run():
     """D6: any local client could stop or checkpoint another client's run and read its prompt id and losses."""
-    job = tr.TrainJob("7", "p1", [{"step": 1, "loss": 0.5, "lr": 1e-4, "sigma": 0.3}], client_id="me")
+    job = jobs.TrainJob("7", "p1", [{"step": 1, "loss": 0.5, "lr": 1e-4, "sigma": 0.3}], client_id="me")
     out = _drive(job, [("POST", _body("stop", client="intruder")), ("POST", _body("checkpoint", client="intruder")),
                        ("GET", "intruder"), ("GET", None)])
     assert out[0][0] == out[1][0] == 403
@@ -80,7 +80,7 @@ def test_another_client_can_neither_control_nor_read_the_run():
 
 
 def test_a_run_queued_without_client_id_is_controlled_by_nobody():
-    job = tr.TrainJob("7", "p1", [], client_id=None)
+    job = jobs.TrainJob("7", "p1", [], client_id=None)
     out = _drive(job, [("POST", _body()), ("POST", json.dumps({"action": "stop"})), ("GET", "me")])
     assert out[0][0] == 403 and "belongs to no client (it was queued without a client_id)" in out[0][1]["error"]
     assert out[1][0] == 400 and out[1][1]["error"].startswith("client_id is missing: send the websocket clientId")
@@ -89,7 +89,7 @@ def test_a_run_queued_without_client_id_is_controlled_by_nobody():
 
 def test_checkpoint_requests_are_coalesced_while_one_is_pending_or_being_written():
     """D6: 40 checkpoint requests during a run wrote 40 full checkpoints."""
-    job = tr.TrainJob("7", "p1", [], client_id="me")
+    job = jobs.TrainJob("7", "p1", [], client_id="me")
     out = _drive(job, [("POST", _body("checkpoint"))] * 40)
     assert [o[1]["coalesced"] for o in out] == [False] + [True] * 39
     assert job.take_request() == "checkpoint" and job.take_request() is None
@@ -106,7 +106,7 @@ def test_checkpoint_requests_are_coalesced_while_one_is_pending_or_being_written
 
 
 def test_bad_bodies_and_other_nodes_are_refused():
-    job = tr.TrainJob("7", "p1", [], client_id="me")
+    job = jobs.TrainJob("7", "p1", [], client_id="me")
     out = _drive(job, [("POST", "not json"), ("POST", _body("delete", path="/etc")),
                        ("POST", _body("stop", node_id="8")), ("POST", _body("stop", node_id=[1]))])
     assert out[0][0] == 400 and "body must be JSON" in out[0][1]["error"]
@@ -118,7 +118,7 @@ def test_bad_bodies_and_other_nodes_are_refused():
 
 def test_deeply_nested_and_oversized_bodies_are_client_errors_not_500():
     """D8: '['*100000 + ']'*100000 raised an uncaught RecursionError (HTTP 500)."""
-    job = tr.TrainJob("7", "p1", [], client_id="me")
+    job = jobs.TrainJob("7", "p1", [], client_id="me")
     nested = "[" * 2000 + "]" * 2000  # under the size limit, deeper than json's recursion limit
     out = _drive(job, [("POST", nested), ("POST", "[" * 100000 + "]" * 100000),
                        ("POST", _body(pad="x" * 5000))])
@@ -128,7 +128,7 @@ def test_deeply_nested_and_oversized_bodies_are_client_errors_not_500():
 
 
 def test_finished_job_refuses_control_but_keeps_history_for_its_owner():
-    job = tr.TrainJob("3", "p9", [{"step": 1, "loss": 1.0, "lr": 1e-3, "sigma": 0.5}], client_id="me")
+    job = jobs.TrainJob("3", "p9", [{"step": 1, "loss": 1.0, "lr": 1e-3, "sigma": 0.5}], client_id="me")
     job.running = False
     out = _drive(job, [("POST", _body()), ("GET", "me")])
     assert out[0][0] == 409

@@ -15,7 +15,7 @@ N = 200_000
 
 
 def _draw(name: str, **kw) -> torch.Tensor:
-    return sample_u(TrainSettings(timestep_sampling=name, **kw), N, torch.Generator().manual_seed(0))
+    return sample_u(TrainSettings(timestep_sampling=name, **kw).sampler, N, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name, mean, tol", [
