@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import pure_packages  # noqa: E402  (the pure packages by their short names)
 
 pure_packages.install()
-from lora.layer import LoRAAdapter, LoRAConfig, lora_linear  # noqa: E402
+from lora.config import LoRAConfig  # noqa: E402
+from lora.layer import LoRAAdapter, lora_linear  # noqa: E402
 
 RHOS = (1e-3, 3e-3, 1e-2)
 PATHS = ("plain_bf16", "fp32_delta_rounded_base", "bf16_merge", "fp32_accumulation")

@@ -28,7 +28,8 @@ import pure_packages  # noqa: E402  (the pure packages by their short names)
 pure_packages.install()
 from attention.probe_stats import entropy_ratio_dense  # noqa: E402
 from attention.stable import TIE_TOLERANCE, StableOptions, stable_forward  # noqa: E402
-from lora.layer import LoRAAdapter, LoRAConfig  # noqa: E402
+from lora.config import LoRAConfig  # noqa: E402
+from lora.layer import LoRAAdapter  # noqa: E402
 from probe.survival import PATHS, delta_survival  # noqa: E402
 
 FULL = {"width": 3072, "tokens": 256, "ranks": (4, 16, 64), "rhos": (1e-3, 3e-3, 1e-2, 3e-2),
@@ -52,7 +53,7 @@ def layer_with_rho(width: int, rank: int, rho: float, gen: torch.Generator) -> t
 
 def survival_table(cfg: dict, seed: int = 0, device: str = "cpu") -> list[dict]:
     """One row per (rank, rho): gains per path, fp32 path's relative error, merged elements changed.
-    On CUDA the pack's layer uses a bf16 GEMM with fp32 output (``lora.layer.base_linear_fp32``)."""
+    On CUDA the pack's layer uses a bf16 GEMM with fp32 output (``lora.linear.base_linear_fp32``)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(cfg["tokens"], cfg["width"], generator=gen).bfloat16().to(device)
     rows = []

@@ -18,7 +18,8 @@ import torch
 
 from ..training.files import atomic_write
 from ..training.guard import assert_finite
-from .layer import LoRAConfig, LoRASet
+from .config import LoRAConfig
+from .layer import LoRASet
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,6 @@ KEY_STYLES: dict[str, str] = {"kohya": "lora_unet_", "diffusion_model": "diffusi
 _KOHYA_FAMILIES = ("flux", "flux1", "flux2", "chroma", "kontext")
 _DOWN = (".lora_down.weight", ".lora_A.weight")
 _UP = (".lora_up.weight", ".lora_B.weight")
-
-
-def available_key_styles() -> dict[str, str | None]:
-    return {name: None for name in KEY_STYLES}
 
 
 def default_key_style(family: str) -> str:

@@ -1,13 +1,13 @@
 """LoRA layers whose low-rank path accumulates in fp32 and is added before the base output is rounded.
 
-Dtype contract (PRECISION.md §1):
+Dtype contract:
 
 - LoRA parameters are stored in fp32 by default (``param_dtype="bf16"`` stores them in bf16; the optimizer
   must then use stochastic rounding or Kahan compensation). They are always *computed* in fp32.
 - ``fp32_accumulation=True``: with autocast disabled locally, the base linear produces an fp32 output
-  (on CUDA a bf16/fp16 GEMM with fp32 output when torch offers it, elsewhere an fp32 computation), the fp32
-  delta ``scale * up(down(x))`` is added, and the sum is cast **once** to the output dtype (the autocast
-  dtype when autocast is on for the input's device, else ``x.dtype``).
+  (``lora.linear.base_linear_fp32``), the fp32 delta ``scale * up(down(x))`` is added, and the sum is cast
+  **once** to the output dtype (the autocast dtype when autocast is on for the input's device, else
+  ``x.dtype``).
 - ``fp32_accumulation=False``: the plain path, base and delta computed in the model dtype and added there.
 
 Shapes: ``x`` (..., in_features); ``weight`` (out_features, in_features); ``bias`` (out_features,) or None;
@@ -17,70 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import targets as _targets
-
-PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MAX_RANK = 1024
-
-
-def available_param_dtypes() -> dict[str, str | None]:
-    """Parameter storage dtypes (None = usable)."""
-    return {name: None for name in PARAM_DTYPES}
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """Everything that defines a LoRA set. Defaults are the node defaults (one source of truth)."""
-
-    rank: int = 16
-    alpha: float = 16.0
-    rslora: bool = False
-    dropout: float = 0.0
-    rank_dropout: float = 0.0
-    module_dropout: float = 0.0
-    fp32_accumulation: bool = True
-    targets: str = "attention"
-    include: str = ""
-    exclude: str = ""
-    blocks: str = ""
-    seed: int = 0
-    param_dtype: str = "fp32"
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field, the bad value and the fix."""
-        if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
-            raise ValueError(f"[Precision LoRA] LoRAConfig.rank={self.rank!r} is invalid: use an integer in [1, {MAX_RANK}]")
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"[Precision LoRA] LoRAConfig.alpha={self.alpha!r} is invalid: use a positive number (often alpha = rank)")
-        for name in ("dropout", "rank_dropout", "module_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"[Precision LoRA] LoRAConfig.{name}={value!r} is invalid: use a probability in [0, 1)")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(
-                f"[Precision LoRA] LoRAConfig.param_dtype={self.param_dtype!r} is unknown: use one of {sorted(PARAM_DTYPES)}"
-            )
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"[Precision LoRA] LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
-        _targets.validate_target_options(self.targets, self.include, self.exclude, self.blocks)
-
-    @property
-    def scale(self) -> float:
-        return lora_scale(self.alpha, self.rank, self.rslora)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
-def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
-    """The one place the LoRA scale is defined: alpha/rank, or alpha/sqrt(rank) for rsLoRA."""
-    return float(alpha) / (math.sqrt(rank) if rslora else float(rank))
+from .config import PARAM_DTYPES, LoRAConfig
+from .linear import base_linear_fp32, low_precision_dtype, output_dtype
 
 
 class DropoutRNG:
@@ -109,70 +52,6 @@ class DropoutRNG:
             del self._gens[dev]
         for dev, state in states.items():
             self.get(torch.device(dev)).set_state(state.clone())
-
-
-def _gemm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """a (m, k) @ b_t (k, n) of low-precision operands with an fp32, unrounded result."""
-    if a.is_cuda:
-        return torch.mm(a, b_t, out_dtype=torch.float32)
-    return torch.mm(a.float(), b_t.float())  # CPU: aten::mm.dtype is not implemented in torch 2.13
-
-
-class _LowPrecisionGemmFp32Out(torch.autograd.Function):
-    """x2 (m, in) @ w (out, in)^T → (m, out) fp32. ``aten::mm.dtype`` has no derivative, so the backward is
-    written here: input and weight gradients in the operands' dtype, as the plain layer would produce."""
-
-    @staticmethod
-    def forward(ctx, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x2, w)
-        return _gemm_fp32_out(x2, w.t())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
-        x2, w = ctx.saved_tensors
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = _gemm_fp32_out(grad.to(w.dtype), w).to(x2.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = _gemm_fp32_out(grad.to(x2.dtype).t(), x2).to(w.dtype)
-        return gx, gw
-
-
-def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     low: torch.dtype | None = None) -> torch.Tensor:
-    """Base linear with an fp32 output that has not been rounded to the model dtype.
-
-    With bf16/fp16 operands (or under a bf16/fp16 autocast) the operands are taken in that dtype and the
-    GEMM writes fp32: on CUDA ``torch.mm(..., out_dtype=torch.float32)`` (with our own backward), on CPU
-    an fp32 product of the same operands. fp32 operands: an fp32 linear. Call with autocast disabled.
-    ``low``: the operand dtype to use (the caller's autocast dtype); None = from the operands.
-    x (..., in) → (..., out) fp32.
-    """
-    if low is None and x.dtype == weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32):
-        return F.linear(x, weight, bias)  # fp32 model: nothing to cast (saves three calls per layer)
-    low = low or _low_precision_dtype(x, weight)
-    if low is not None:
-        x2 = x.reshape(-1, x.shape[-1]).to(low)
-        y = _LowPrecisionGemmFp32Out.apply(x2, weight.to(low)).reshape(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias.float()
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-
-
-def _low_precision_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in (torch.bfloat16, torch.float16):
-        return torch.get_autocast_dtype(dev)
-    if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
-        return x.dtype
-    return None
-
-
-def output_dtype(x: torch.Tensor) -> torch.dtype:
-    """What a plain linear would return for x: the autocast dtype when autocast is on, else x.dtype."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
 
 
 class LoRAAdapter(nn.Module):
@@ -329,7 +208,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 out = out + d.to(out.dtype)
         return out
     out_dtype = output_dtype(x)
-    low = _low_precision_dtype(x, weight)
+    low = low_precision_dtype(x, weight)
     if torch.is_autocast_enabled(x.device.type):
         with torch.autocast(device_type=x.device.type, enabled=False):
             return _fp32_sum(x, weight, bias, adapters, low, out_dtype)
@@ -361,7 +240,6 @@ class LoRASet(nn.Module):
 
     def __init__(self, config: LoRAConfig, shapes: Mapping[str, tuple[int, int]], *, init: bool = True) -> None:
         super().__init__()
-        config.validate()
         if not shapes:
             raise ValueError("[Precision LoRA] LoRASet: no target modules; widen the targets preset or the include regex")
         self.config = config

@@ -56,11 +56,6 @@ def preset_names() -> list[str]:
     return names
 
 
-def available() -> dict[str, list[str]]:
-    """Family → preset names."""
-    return {family: list(presets) for family, presets in PRESETS.items()}
-
-
 def preset_family(family: str) -> str:
     """Map a model family name (as model_info reports it) to a preset family; unknown → "generic"."""
     key = family.lower().replace(".", "").replace("-", "_")
@@ -109,13 +104,18 @@ def _compile(pattern: str, field: str) -> Matcher | None:
     return compile_user_regex(pattern, field)
 
 
-def validate_target_options(targets: str, include: str, exclude: str, blocks: str) -> None:
-    """Checks that need no model: known preset name, compilable regexes, parseable block filter."""
+def _parse_options(targets: str, include: str, exclude: str,
+                   blocks: str) -> tuple[Matcher | None, Matcher | None, tuple[BlockRange, ...]]:
+    """(include, exclude, block ranges) after the checks that need no model: known preset name,
+    compilable regexes, parseable block filter."""
     if targets not in preset_names():
         raise ValueError(f"[Precision LoRA] targets={targets!r} is unknown: use one of {preset_names()}")
-    _compile(include, "include")
-    _compile(exclude, "exclude")
-    parse_blocks(blocks)
+    return _compile(include, "include"), _compile(exclude, "exclude"), parse_blocks(blocks)
+
+
+def validate_target_options(targets: str, include: str, exclude: str, blocks: str) -> None:
+    """Checks that need no model: known preset name, compilable regexes, parseable block filter."""
+    _parse_options(targets, include, exclude, blocks)
 
 
 @dataclass(frozen=True)
@@ -136,15 +136,13 @@ def select_targets(linears: Mapping[str, tuple[int, int]], family: str, targets:
     are dropped when a block filter is given). ``include`` / ``exclude`` are searched (``re.search``
     semantics) by ``lora.regex``, which never backtracks exponentially.
     """
-    validate_target_options(targets, include, exclude, blocks)
+    inc, exc, ranges = _parse_options(targets, include, exclude, blocks)
     fam = preset_family(family)
     if targets not in PRESETS[fam]:
         raise ValueError(
             f"[Precision LoRA] targets={targets!r} is not a preset of model family '{family}': use one of {list(PRESETS[fam])}"
         )
     preset = [re.compile(p) for p in PRESETS[fam][targets]]
-    inc, exc = _compile(include, "include"), _compile(exclude, "exclude")
-    ranges = parse_blocks(blocks)
     chosen: dict[str, tuple[int, int]] = {}
     for path in sorted(linears):
         hit = any(p.fullmatch(path) for p in preset) or (inc is not None and inc.search(path) is not None)

@@ -11,7 +11,7 @@ from ..attention.backends import BACKENDS
 from ..attention.config import SCALE_MODES, AttentionConfig
 from ..training.checkpoint import STATE_SUFFIX, save_state
 from ..training.guard import NonFiniteError, assert_finite
-from ..lora.layer import MAX_RANK, PARAM_DTYPES, LoRAConfig
+from ..lora.config import MAX_RANK, PARAM_DTYPES, LoRAConfig
 from ..lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ..lora.targets import preset_names
 from . import lora_glue as glue
@@ -22,8 +22,8 @@ from .comfy_io import io
 
 log = logging.getLogger(__name__)
 
-_D = LoRAConfig()
-_A = AttentionConfig()
+DEFAULTS = LoRAConfig()
+ATTENTION_DEFAULTS = AttentionConfig()
 NONE = "none"
 
 
@@ -52,22 +52,22 @@ class PrecisionAttachLoRA(PrecisionNode):
                         "before the base output is rounded, so small updates survive bf16. Bypass the node to remove it.",
             inputs=[
                 io.Model.Input("model", tooltip="Diffusion model to adapt (it is cloned, never changed)."),
-                io.Int.Input("rank", default=_D.rank, min=1, max=MAX_RANK, step=1, tooltip="LoRA rank (dim)."),
-                _float("alpha", _D.alpha, 0.01, 4096.0, 0.01, "LoRA alpha; scale = alpha / rank (alpha / sqrt(rank) with rsLoRA)."),
-                io.Combo.Input("targets", options=preset_names(), default=_D.targets,
+                io.Int.Input("rank", default=DEFAULTS.rank, min=1, max=MAX_RANK, step=1, tooltip="LoRA rank (dim)."),
+                _float("alpha", DEFAULTS.alpha, 0.01, 4096.0, 0.01, "LoRA alpha; scale = alpha / rank (alpha / sqrt(rank) with rsLoRA)."),
+                io.Combo.Input("targets", options=preset_names(), default=DEFAULTS.targets,
                                tooltip="Preset of layers per model family: attention, attention_mlp, all, none (include only)."),
-                io.String.Input("include", default=_D.include, tooltip="Extra layers: regex searched in module paths, e.g. 'img_mlp'."),
-                io.String.Input("exclude", default=_D.exclude, tooltip="Regex of module paths to leave out, e.g. 'txt_'."),
-                io.String.Input("blocks", default=_D.blocks, tooltip="Block filter: '0-3,7' or 'double_blocks:0-5, single_blocks:0-9'; empty = all."),
-                io.Boolean.Input("fp32_accumulation", default=_D.fp32_accumulation,
+                io.String.Input("include", default=DEFAULTS.include, tooltip="Extra layers: regex searched in module paths, e.g. 'img_mlp'."),
+                io.String.Input("exclude", default=DEFAULTS.exclude, tooltip="Regex of module paths to leave out, e.g. 'txt_'."),
+                io.String.Input("blocks", default=DEFAULTS.blocks, tooltip="Block filter: '0-3,7' or 'double_blocks:0-5, single_blocks:0-9'; empty = all."),
+                io.Boolean.Input("fp32_accumulation", default=DEFAULTS.fp32_accumulation,
                                  tooltip="Sum base + LoRA in fp32 before the one cast to the model dtype (recommended)."),
-                _float("dropout", _D.dropout, 0.0, 0.99, 0.01, "Input dropout of the LoRA path. " + drop),
-                _float("rank_dropout", _D.rank_dropout, 0.0, 0.99, 0.01, "Drops whole ranks per sample. " + drop),
-                _float("module_dropout", _D.module_dropout, 0.0, 0.99, 0.01, "Skips a whole LoRA layer. " + drop),
-                io.Boolean.Input("rslora", default=_D.rslora, tooltip="rsLoRA scale alpha / sqrt(rank)."),
-                io.Combo.Input("param_dtype", options=list(PARAM_DTYPES), default=_D.param_dtype,
+                _float("dropout", DEFAULTS.dropout, 0.0, 0.99, 0.01, "Input dropout of the LoRA path. " + drop),
+                _float("rank_dropout", DEFAULTS.rank_dropout, 0.0, 0.99, 0.01, "Drops whole ranks per sample. " + drop),
+                _float("module_dropout", DEFAULTS.module_dropout, 0.0, 0.99, 0.01, "Skips a whole LoRA layer. " + drop),
+                io.Boolean.Input("rslora", default=DEFAULTS.rslora, tooltip="rsLoRA scale alpha / sqrt(rank)."),
+                io.Combo.Input("param_dtype", options=list(PARAM_DTYPES), default=DEFAULTS.param_dtype,
                                tooltip="Storage of the LoRA weights; fp32 recommended (bf16 needs stochastic rounding in the optimizer)."),
-                io.Int.Input("seed", default=_D.seed, min=0, max=2**63 - 1, step=1, tooltip="Seed of the LoRA init and dropouts."),
+                io.Int.Input("seed", default=DEFAULTS.seed, min=0, max=2**63 - 1, step=1, tooltip="Seed of the LoRA init and dropouts."),
                 io.Combo.Input("init_lora", options=[NONE, *_loras()], default=NONE,
                                tooltip="Continue training from this LoRA file (same rank and targets)."),
                 io.Boolean.Input("dry_run", default=False, tooltip="Only list the matched layers; return the model unchanged."),
@@ -83,7 +83,7 @@ class PrecisionAttachLoRA(PrecisionNode):
         if any(values.get(n) is None for n in names):
             return None  # a linked input: checked again when the node runs
         try:
-            LoRAConfig(**{n: values[n] for n in names}).validate()
+            LoRAConfig(**{n: values[n] for n in names})  # validates
         except ValueError as e:
             return str(e).replace("[Precision LoRA] ", "")
         return None
@@ -91,11 +91,10 @@ class PrecisionAttachLoRA(PrecisionNode):
     @classmethod
     def execute(cls, model, rank, alpha, targets, include, exclude, blocks, fp32_accumulation, dropout, rank_dropout,
                 module_dropout, rslora, param_dtype, seed, init_lora, dry_run) -> io.NodeOutput:
-        cfg = LoRAConfig(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, rank_dropout=rank_dropout,
-                         module_dropout=module_dropout, fp32_accumulation=fp32_accumulation, targets=targets,
-                         include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype)
         try:
-            cfg.validate()
+            cfg = LoRAConfig(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, rank_dropout=rank_dropout,
+                             module_dropout=module_dropout, fp32_accumulation=fp32_accumulation, targets=targets,
+                             include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype)
             plan = glue.plan_targets(model, cfg)
         except ValueError as e:
             raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
@@ -103,7 +102,7 @@ class PrecisionAttachLoRA(PrecisionNode):
         if dry_run:
             return io.NodeOutput(model, f"dry run: {len(plan)} layers\n{listing}")
         init = None if init_lora == NONE else folder_paths.get_full_path_or_raise("loras", init_lora)
-        patched = glue.attach_lora(model, cfg, init_file=init)
+        patched = glue.attach_lora(model, cfg, init_file=init, plan=plan)
         n_params = glue.get_lora_set(patched).num_parameters()
         return io.NodeOutput(patched, f"{len(plan)} layers, {n_params:,} parameters\n{listing}")
 
@@ -228,11 +227,11 @@ class PrecisionLoadLoRA(PrecisionNode):
                 io.Combo.Input("attention", options=list(glue.ATTENTION_POLICIES), default="apply_recorded",
                                tooltip="apply_recorded: use the scale/backend saved in the file; ignore: leave the model's; "
                                        "override: use the three override inputs below."),
-                io.Combo.Input("override_backend", options=["auto", *BACKENDS], default=_A.backend,
+                io.Combo.Input("override_backend", options=["auto", *BACKENDS], default=ATTENTION_DEFAULTS.backend,
                                tooltip="Backend when attention = override."),
-                io.Combo.Input("override_scale_mode", options=list(SCALE_MODES), default=_A.scale_mode,
+                io.Combo.Input("override_scale_mode", options=list(SCALE_MODES), default=ATTENTION_DEFAULTS.scale_mode,
                                tooltip="Scale mode when attention = override: default 1/sqrt(d), absolute, multiplier of 1/sqrt(d)."),
-                _float("override_scale_value", _A.scale_value, 0.0001, 100.0, 0.0001, "Scale value when attention = override."),
+                _float("override_scale_value", ATTENTION_DEFAULTS.scale_value, 0.0001, 100.0, 0.0001, "Scale value when attention = override."),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip="The model with the LoRA (and attention settings)."),
                      io.String.Output(display_name="info", tooltip="What was applied.")],

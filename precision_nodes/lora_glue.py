@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 import comfy.ops
 import torch
 
-from ..lora.layer import LoRAAdapter, LoRAConfig, LoRASet, lora_linear
+from ..lora.config import LoRAConfig
+from ..lora.layer import LoRAAdapter, LoRASet, lora_linear
 from ..lora.file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
                                   read_lora_file)
 from ..training.checks import show
@@ -72,7 +73,6 @@ def model_family(model) -> str:
 
 def plan_targets(model, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
     """The modules ``cfg`` selects in this model (ValueError listing module names when none)."""
-    cfg.validate()
     return select_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks)
 
 
@@ -101,13 +101,15 @@ def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KE
     return patched
 
 
-def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None):
+def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
+                plan: Mapping[str, tuple[int, int]] | None = None):
     """A clone of ``model`` with a new trainable LoRASet (eval mode; ``train()`` it for dropouts).
 
     ``init_file``: continue from a LoRA file: its rank must equal ``cfg.rank`` and its modules must be
-    among the selected targets. Raises ValueError before anything is attached.
+    among the selected targets. ``plan``: ``plan_targets(model, cfg)`` when the caller has it already.
+    Raises ValueError before anything is attached.
     """
-    shapes = plan_targets(model, cfg)
+    shapes = plan_targets(model, cfg) if plan is None else plan
     factors: dict[str, LoRAFactors] = {}
     if init_file:
         tensors, _md = read_lora_file(init_file)

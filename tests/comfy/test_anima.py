@@ -83,7 +83,7 @@ def mods(pack_module):
         aglue = pack_module("precision_nodes.attention_glue")
         tglue = pack_module("precision_nodes.train_glue")
         tdata = pack_module("precision_nodes.train_data")
-        lora = pack_module("lora.layer")
+        lora = pack_module("lora.config")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings
     return M

@@ -23,8 +23,8 @@ def mods(pack_module):
         glue = pack_module("precision_nodes.lora_glue")
         aglue = pack_module("precision_nodes.attention_glue")
         train = pack_module("precision_nodes.train")
-        routes = pack_module("precision_nodes.train_routes")
-        lora = pack_module("lora.layer")
+        jobs = pack_module("precision_nodes.train_jobs")
+        lora = pack_module("lora.config")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings
     return M
@@ -144,7 +144,7 @@ def test_every_global_is_restored_after_training(mods, ending):
         original(event, data, sid)
         if event == "precision_lora.train_step" and data["step"] == 1:
             if ending == "stop":
-                mods.routes.current_job().request("stop")
+                mods.jobs.current_job().request("stop")
             elif ending == "cancel":
                 mm.interrupt_current_processing(True)
 

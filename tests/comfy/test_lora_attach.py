@@ -19,7 +19,7 @@ def glue(pack_module):
 
 @pytest.fixture(scope="module")
 def LoRAConfig(pack_module):
-    return pack_module("lora.layer").LoRAConfig
+    return pack_module("lora.config").LoRAConfig
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

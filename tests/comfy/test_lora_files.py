@@ -25,7 +25,7 @@ def glue(pack_module):
 
 @pytest.fixture(scope="module")
 def cfg_cls(pack_module):
-    return pack_module("lora.layer").LoRAConfig
+    return pack_module("lora.config").LoRAConfig
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def test_a_saved_lora_follows_the_umask(pack_module):
     old = os.umask(0o022)
     try:
         with torch.inference_mode():
-            model = glue.attach_lora(tiny_flux1(), pack_module("lora.layer").LoRAConfig(rank=2, alpha=2))
+            model = glue.attach_lora(tiny_flux1(), pack_module("lora.config").LoRAConfig(rank=2, alpha=2))
         path = save.execute(model, "modes/lora", "loras", "fp32", "auto", True, False).result[0]
     finally:
         os.umask(old)

@@ -18,7 +18,7 @@ MULTIPLIER = 1.5
 def _lora_model(up_std: float):
     """Tiny Flux.1 + rank-4 LoRA with non-zero ``up`` + sdpa attention at 1.5x the default scale."""
     lg, ag = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.attention_glue")
-    LoRAConfig = pack_module("lora.layer").LoRAConfig
+    LoRAConfig = pack_module("lora.config").LoRAConfig
     AttentionConfig = pack_module("attention.config").AttentionConfig
     model = lg.attach_lora(tiny_flux1(), LoRAConfig(rank=4, alpha=4.0))
     gen = torch.Generator().manual_seed(3)

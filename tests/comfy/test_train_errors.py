@@ -15,7 +15,7 @@ def env(pack_module):
         glue = pack_module("precision_nodes.lora_glue")
         train = pack_module("precision_nodes.train")
         tglue = pack_module("precision_nodes.train_glue")
-        lora = pack_module("lora.layer")
+        lora = pack_module("lora.config")
         Settings = pack_module("training.settings").TrainSettings
         model = tiny_cosmos()
     with torch.inference_mode():

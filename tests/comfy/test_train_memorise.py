@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def memorise(pack_module, family: str, steps: int, lr: float) -> list[float]:
     glue, tglue, tdata = (pack_module(m) for m in ("precision_nodes.lora_glue", "precision_nodes.train_glue", "precision_nodes.train_data"))
-    loop, lora = pack_module("training.loop"), pack_module("lora.layer")
+    loop, lora = pack_module("training.loop"), pack_module("lora.config")
     settings = pack_module("training.settings").TrainSettings(learning_rate=lr)
     model = FAMILIES[family]()
     latent, cond = make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)
@@ -63,7 +63,7 @@ def _eval_loss(pack_module, model, latent, cond, settings, draws: int = 16) -> f
             gen, x0, total = torch.Generator().manual_seed(123), sample.latent[None], 0.0
             for _ in range(draws):
                 noise = torch.randn(x0.shape, generator=gen).to(x0.device)
-                sigma = fns.sigma_of_u(sampling.sample_u(settings, 1, gen))
+                sigma = fns.sigma_of_u(sampling.sample_u(settings.sampler, 1, gen))
                 x_t = fns.noise_latent(sigma, noise, x0)
                 pred = fns.predict(x_t, sigma, fns.collate([sample.cond]))
                 total += float((pred - fns.target(sigma, noise, x0)).pow(2).mean())
@@ -74,7 +74,7 @@ def test_the_node_itself_halves_the_loss_on_fixed_evaluation_draws(pack_module):
     """The unmodified node (fresh noise every step, default sampler) on tiny Cosmos-Predict2: after 50 steps
     the loss on 16 fixed (noise, sigma) draws of the training latent is at most half of what it was before.
     (Tiny Flux.1 does not reach half here, hence the fixed-noise test above for both families.)"""
-    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.layer")
+    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.config")
     settings = pack_module("training.settings").TrainSettings(learning_rate=2e-3)
     model = tiny_cosmos()
     latent, cond = make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)

@@ -19,7 +19,7 @@ def rss_bytes() -> int:
 def test_rss_flat_over_300_steps_and_base_weights_unchanged(pack_module):
     import comfy_harness
 
-    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.layer")
+    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.config")
     Settings = pack_module("training.settings").TrainSettings
     model = tiny_flux1()
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}

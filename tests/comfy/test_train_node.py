@@ -26,8 +26,8 @@ def mods(pack_module):
         glue = pack_module("precision_nodes.lora_glue")
         train = pack_module("precision_nodes.train")
         tglue = pack_module("precision_nodes.train_glue")
-        routes = pack_module("precision_nodes.train_routes")
-        lora = pack_module("lora.layer")
+        jobs = pack_module("precision_nodes.train_jobs")
+        lora = pack_module("lora.config")
         ckpt = pack_module("training.checkpoint")
         Settings = pack_module("training.settings").TrainSettings
     return M
@@ -72,7 +72,7 @@ def test_resume_from_checkpoint_file_continues_identical_losses(mods):
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 8)
     settings = mods.Settings(learning_rate=1e-3, checkpoint_every=4)
     _run(mods, m, latent, cond, 4, settings=settings)
-    job = mods.routes.current_job()
+    job = mods.jobs.current_job()
     name = f"test_s{job.step:06d}.safetensors"
     names = sorted(os.listdir(mods.tglue.checkpoint_dir()))
     newest = [n for n in names if n.startswith("test_s000004") and n.endswith(".safetensors")][-1]
@@ -180,9 +180,9 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
         original(event, data, sid)
         if event == "precision_lora.train_step":
             if data["step"] == 2:
-                mods.routes.current_job().request("checkpoint")
+                mods.jobs.current_job().request("checkpoint")
             if data["step"] == 4:
-                mods.routes.current_job().request("stop")
+                mods.jobs.current_job().request("stop")
 
     server.send_sync = control
     try:
@@ -193,7 +193,7 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
     assert steps == 4 and len(losses["loss"]) == 4 and done["stopped"] is True
     names = [n for n in os.listdir(mods.tglue.checkpoint_dir()) if n.startswith("test_s00000") and n.endswith(".state.pt")]
     assert {"test_s000002.state.pt", "test_s000004.state.pt"} <= set(names)
-    job = mods.routes.current_job()
+    job = mods.jobs.current_job()
     assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
 
 
@@ -216,7 +216,7 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
     def stop_at_two(event, data, sid=None):
         original(event, data, sid)
         if event == "precision_lora.train_step" and data["step"] == 2:
-            mods.routes.current_job().request("stop")
+            mods.jobs.current_job().request("stop")
 
     server.send_sync = stop_at_two
     try:

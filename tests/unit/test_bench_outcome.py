@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from lora.layer import LoRAConfig, LoRASet
+from lora.config import LoRAConfig
+from lora.layer import LoRASet
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loader import load_bench  # noqa: E402

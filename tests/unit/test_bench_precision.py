@@ -11,7 +11,8 @@ import torch
 
 from attention.probe_stats import entropy_ratio_dense, measure_attention
 from attention.stats import measure_call
-from lora.layer import LoRAAdapter, LoRAConfig
+from lora.config import LoRAConfig
+from lora.layer import LoRAAdapter
 from probe.survival import delta_survival, summarize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from lora.layer import LoRAConfig, LoRASet
+from lora.config import LoRAConfig
+from lora.layer import LoRASet
 from lora.file import (default_key_style, file_rank, lora_metadata, lora_state_dict, parse_lora_tensors,
                                 read_lora_file, save_lora_file)
 

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.lora import PATHS, gain_table
-from lora.layer import LoRAAdapter, LoRAConfig, LoRASet, base_linear_fp32, lora_linear, lora_scale
+from lora.config import LoRAConfig, lora_scale
+from lora.layer import LoRAAdapter, LoRASet, lora_linear
+from lora.linear import base_linear_fp32
 
 
 def _layer(n_in=64, n_out=96, rank=4, seed=0, **cfg):
@@ -240,7 +242,7 @@ def test_cuda_fp32_path_uses_fp32_output_gemm_and_trains():
         assert ((got.double().cpu() - want).norm() / want.norm()) < 1e-2
     a.cuda()
     base = F.linear(x.float(), w.float(), b.float())
-    from lora.layer import base_linear_fp32
+    from lora.linear import base_linear_fp32
 
     torch.testing.assert_close(base_linear_fp32(x, w, b), base, rtol=1e-5, atol=1e-4)
 

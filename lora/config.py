@@ -1,0 +1,69 @@
+"""``LoRAConfig``: everything that defines a LoRA set, validated once, when it is built.
+
+Defaults are the node defaults (one source of truth). ``lora_scale`` is the one place the LoRA scale is
+defined.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import targets as _targets
+
+PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_RANK = 1024
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Everything that defines a LoRA set. Construction validates (ValueError naming the field, the bad
+    value and the fix), so every instance in circulation is valid and nothing downstream checks it again."""
+
+    rank: int = 16
+    alpha: float = 16.0
+    rslora: bool = False
+    dropout: float = 0.0
+    rank_dropout: float = 0.0
+    module_dropout: float = 0.0
+    fp32_accumulation: bool = True
+    targets: str = "attention"
+    include: str = ""
+    exclude: str = ""
+    blocks: str = ""
+    seed: int = 0
+    param_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the bad value and the fix."""
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"[Precision LoRA] LoRAConfig.rank={self.rank!r} is invalid: use an integer in [1, {MAX_RANK}]")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"[Precision LoRA] LoRAConfig.alpha={self.alpha!r} is invalid: use a positive number (often alpha = rank)")
+        for name in ("dropout", "rank_dropout", "module_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"[Precision LoRA] LoRAConfig.{name}={value!r} is invalid: use a probability in [0, 1)")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"[Precision LoRA] LoRAConfig.param_dtype={self.param_dtype!r} is unknown: use one of {sorted(PARAM_DTYPES)}"
+            )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"[Precision LoRA] LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
+        _targets.validate_target_options(self.targets, self.include, self.exclude, self.blocks)
+
+    @property
+    def scale(self) -> float:
+        return lora_scale(self.alpha, self.rank, self.rslora)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """The one place the LoRA scale is defined: alpha/rank, or alpha/sqrt(rank) for rsLoRA."""
+    return float(alpha) / (math.sqrt(rank) if rslora else float(rank))
