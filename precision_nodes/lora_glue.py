@@ -19,8 +19,8 @@ import torch
 
 from ..lora.config import LoRAConfig
 from ..lora.layer import LoRAAdapter, LoRASet, lora_linear
-from ..lora.file import (LoRAFactors, default_key_style, file_rank, lora_metadata, parse_lora_tensors,
-                                  read_lora_file)
+from ..lora.file import LoRAFactors, default_key_style, lora_metadata, read_lora_file
+from ..lora.formats import fit_rank, parse_lora
 from ..training.checks import show
 from ..lora.targets import select_targets
 from .file_names import inside, name_problem
@@ -113,12 +113,8 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
     factors: dict[str, LoRAFactors] = {}
     if init_file:
         tensors, _md = read_lora_file(init_file)
-        factors = parse_lora_tensors(tensors, linear_layers(model), name=f"init LoRA '{init_file}'")
-        rank = file_rank(factors)
-        if rank != cfg.rank:
-            raise ValueError(
-                f"[Precision LoRA] PrecisionAttachLoRA: init_lora '{init_file}' has rank {rank} but rank={cfg.rank}: set rank to {rank}"
-            )
+        factors = parse_lora(tensors, linear_layers(model), name=f"init LoRA '{init_file}'")
+        factors = fit_rank(factors, cfg.rank, f"PrecisionAttachLoRA: init_lora '{init_file}'")
     lora_set = _new_lora_set(cfg, shapes, model.load_device)
     if factors:
         with torch.inference_mode(False):
@@ -188,7 +184,7 @@ def build_lora_metadata(model, lora_set: LoRASet, extra: Mapping[str, object] | 
 
 def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, name: str):
     """Clone with the file's factors as unmerged adapters on the fp32 path (one frozen LoRASet per rank)."""
-    factors = parse_lora_tensors(tensors, linear_layers(model), name=name)
+    factors = parse_lora(tensors, linear_layers(model), name=name)
     patched = model
     loaded = list(model.get_attachment(LOADED_KEY) or ())
     for rank in sorted({f.rank for f in factors.values()}):
