@@ -18,6 +18,7 @@ ALLOWED = {
     "lora": {"attention", "training"},
     "probe": {"attention", "training", "lora"},
     "precision_nodes": {"attention", "training", "lora", "probe"},
+    "runner": {"attention", "training", "lora", "probe", "precision_nodes"},
     "demo": {"attention", "training", "lora", "probe", "precision_nodes"},
 }
 PACK_PACKAGES = set(ALLOWED) | {"tests", "bench", "scripts"}
