@@ -12,13 +12,13 @@ Two kinds of name, two rule sets, one containment test:
 - ``find_model_file``: the name of a safetensors file that *exists* in one of ComfyUI's model folders, as
   the browser asks for it (``GET <route>?name=...``). Any name the loader could list, so the portability
   rules above do not apply; but never absolute, never ``..``, and never through a symlink that leaves its
-  folder. Refused with ``QueryRefused``, which carries the HTTP status to answer with; ``answer`` and
-  ``handler`` turn that into the JSON the routes send (``{"error": ...}`` with the status).
+  folder. Refused with ``QueryRefused``, which carries the HTTP status to answer with; a ``FileRoute``
+  turns that into the JSON the route sends (``{"error": ...}`` with the status).
 - ``inside(root, path)``: whether ``path``, symlinks resolved, stays in ``root``. Both rule sets check the
   text first (so a refused name never touches the file system) and then this, because a name that is
   clean as text can still leave the folder through a symlink.
 
-No ComfyUI here: the routes' tests call these functions directly.
+No ComfyUI here but in ``FileRoute.register``: the routes' tests call the rest directly.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
+
 # Longest part of a created name, in UTF-8 bytes: file systems allow 255, and the pack appends counters
 # and suffixes such as "_00001_.safetensors" or "_s000001_1.state.pt" (≤ 25 bytes).
 MAX_NAME_PART_BYTES = 200
@@ -118,7 +119,7 @@ def _query_problem(name: object) -> tuple[int, str] | None:
         return 400, f"name longer than {MAX_QUERY_NAME} characters"
     if "\x00" in name:
         return 400, "name contains a NUL character"
-    # "~" too: it reads as the home folder, and no loader lists a name starting with it.
+    # A leading "~" reads as the home folder: refused like an absolute path, whatever the file system does.
     if _absolute(name) or name.startswith("~"):
         return 403, "absolute paths are refused; give the name as the loader lists it"
     parts = _parts(name)
@@ -154,17 +155,36 @@ def find_model_file(name: object, roots: list[str], folder: str, what: str) -> s
     raise QueryRefused(404, f"[Precision LoRA] {what}: no file named '{name}' in the {folder} folders")
 
 
-def answer(name: object, roots: list[str], folder: str, what: str,
-           read: Callable[[str], Mapping[str, object]]) -> tuple[int, dict[str, object]]:
-    """(status, JSON body) of one query: ``{"name", **read(path)}`` for the file found, else ``{"error"}``.
-    ``read`` raises QueryRefused(422) for a file it cannot read."""
-    try:
-        body = read(find_model_file(name, roots, folder, what))
-    except QueryRefused as e:
-        if e.status >= 422:
-            log.warning("%s", e)
-        return e.status, {"error": str(e)}
-    return 200, {"name": name, **body}
+class FileRoute:
+    """``GET <route>?name=<file in the folder's model folders>``, answered with ``{"name", **read(path)}``
+    for the file found, else ``{"error"}`` with QueryRefused's status. ``read`` raises QueryRefused(422)
+    for a file it cannot read; ``what`` names the route in messages."""
+
+    def __init__(self, route: str, folder: str, what: str, read: Callable[[str], Mapping[str, object]]) -> None:
+        self.route, self.folder, self.what, self.read = route, folder, what, read
+        self.registered = False
+
+    def lookup(self, name: object, roots: list[str]) -> tuple[int, dict[str, object]]:
+        """(status, JSON body) of one request: the whole route without HTTP, for tests and the handler."""
+        try:
+            body = self.read(find_model_file(name, roots, self.folder, self.what))
+        except QueryRefused as e:
+            if e.status >= 422:
+                log.warning("%s", e)
+            return e.status, {"error": str(e)}
+        return 200, {"name": name, **body}
+
+    def register(self) -> None:
+        """Add the route to ComfyUI's server once (idempotent). The only method here that needs ComfyUI."""
+        if self.registered:
+            return
+        import folder_paths
+        from server import PromptServer
+
+        PromptServer.instance.routes.get(self.route)(handler(lambda: folder_paths.get_folder_paths(self.folder),
+                                                             self.lookup))
+        self.registered = True
+        log.info("[Precision LoRA] route %s registered", self.route)
 
 
 def handler(get_roots: Callable[[], list[str]], lookup: Callable[[object, list[str]], tuple[int, dict]]):

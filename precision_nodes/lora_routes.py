@@ -12,12 +12,9 @@ The summary and the lookup are plain functions (no ComfyUI) so tests can call th
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
-from .file_names import QueryRefused, answer, handler
-
-log = logging.getLogger(__name__)
+from .file_names import FileRoute, QueryRefused
 
 ROUTE = "/precision_lora/lora/metadata"
 # The summary's fields and the metadata keys they are read from, first present wins. The ss_* keys are
@@ -31,8 +28,6 @@ SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     "backend": ("ss_attn_mode",),
     "base_model": ("ss_base_model_version", "modelspec.architecture", "ss_sd_model_name"),
 }
-
-_registered = False
 
 
 def _first(md: Mapping[str, str], keys: tuple[str, ...]) -> str | None:
@@ -83,19 +78,6 @@ def read_metadata(path: str) -> dict[str, object]:
     return {"metadata": metadata, "summary": summarize(metadata, shapes, alpha)}
 
 
-def lookup(name: object, roots: list[str]) -> tuple[int, dict[str, object]]:
-    """(status, JSON body) for one request: the whole route without HTTP, for tests and the handler."""
-    return answer(name, roots, "loras", "metadata", read_metadata)
-
-
-def register() -> None:
-    """Add the route to ComfyUI's server once (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    import folder_paths
-    from server import PromptServer
-
-    PromptServer.instance.routes.get(ROUTE)(handler(lambda: folder_paths.get_folder_paths("loras"), lookup))
-    _registered = True
-    log.info("[Precision LoRA] route %s registered", ROUTE)
+METADATA_ROUTE = FileRoute(ROUTE, "loras", "metadata", read_metadata)
+lookup = METADATA_ROUTE.lookup
+register = METADATA_ROUTE.register  # idempotent

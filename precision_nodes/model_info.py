@@ -10,20 +10,15 @@ ComfyUI's folder list and server. ComfyUI is imported only inside the functions 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass
 
-from .file_names import QueryRefused, answer, handler
-
-log = logging.getLogger(__name__)
+from .file_names import FileRoute, QueryRefused
 
 MODEL_ROUTE = "/precision_lora/model/info"
 # Files whose architecture ComfyUI cannot detect from tensor shapes alone (e.g. Flux at other than 24 x 128
 # heads) carry their unet config as JSON under this metadata key; the loader builds them from it.
 UNET_CONFIG_KEY = "precision_lora.unet_config"
-
-_registered = False
 
 FAMILY_BY_CONFIG = {
     "Flux": "flux1", "FluxSchnell": "flux1", "FluxInpaint": "flux1", "Flux2": "flux2",
@@ -135,20 +130,6 @@ def describe_file(path: str) -> dict[str, object]:
     }
 
 
-def lookup(name: object, roots: list[str]) -> tuple[int, dict[str, object]]:
-    """(status, JSON body) for one request of the model-info route, without HTTP."""
-    return answer(name, roots, "diffusion_models", "model info", describe_file)
-
-
-def register() -> None:
-    """Add the model-info route to ComfyUI's server once (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    import folder_paths
-    from server import PromptServer
-
-    PromptServer.instance.routes.get(MODEL_ROUTE)(
-        handler(lambda: folder_paths.get_folder_paths("diffusion_models"), lookup))
-    _registered = True
-    log.info("[Precision LoRA] route %s registered", MODEL_ROUTE)
+MODEL_INFO_ROUTE = FileRoute(MODEL_ROUTE, "diffusion_models", "model info", describe_file)
+lookup = MODEL_INFO_ROUTE.lookup
+register = MODEL_INFO_ROUTE.register  # idempotent

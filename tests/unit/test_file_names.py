@@ -128,7 +128,8 @@ def test_inside_follows_symlinks_and_accepts_the_root_itself(tree):
 
 
 def test_route_answers_carry_the_status_and_name_the_route(tree):
-    status, body = fn.answer("../x.safetensors", tree["roots"], "loras", "metadata", lambda path: {})
+    route = fn.FileRoute("/x", "loras", "metadata", lambda path: {"path": path})
+    status, body = route.lookup("../x.safetensors", tree["roots"])
     assert status == 403 and body["error"].startswith("[Precision LoRA] metadata: '..' is refused")
-    status, body = fn.answer("mine.safetensors", tree["roots"], "loras", "metadata", lambda path: {"path": path})
+    status, body = route.lookup("mine.safetensors", tree["roots"])
     assert status == 200 and body == {"name": "mine.safetensors", "path": os.path.realpath(tree["a"] / "mine.safetensors")}
