@@ -1,19 +1,24 @@
 """Attention settings: one frozen config, scale resolution, and the LoRA-file metadata round trip.
 
-The softmax scale is a temperature change, not a precision fix (PRECISION.md §2): whatever scale a LoRA
-was trained with must be used again at inference, so it is recorded in the file's metadata.
+The softmax scale is a temperature change, not a precision fix: whatever scale a LoRA was trained with
+must be used again at inference, so it is recorded in the file's metadata.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Mapping
+
+from .backends import BACKENDS, available
 
 AUTO_BACKEND = "auto"
 SCALE_MODES = ("default", "absolute", "multiplier")
 STABLE_BETA_RANGE = (1.5, 8.0)
 # Backends that see the logits and can therefore apply a softclamp.
 SOFTCLAMP_BACKENDS = ("math", "stable")
+# A softclamp c below this many times the largest logit changes the pretrained model's output noticeably.
+SOFTCLAMP_SAFETY = 10.0
 # Backends whose kernels take only bf16/fp16 inputs (they already keep softmax statistics in fp32).
 NO_FP32_INPUT_BACKENDS = ("flash", "sage")
 
@@ -27,15 +32,13 @@ META_FP32 = "ss_attn_fp32_softmax"
 METADATA_KEYS = (META_SCALE, META_MODE, META_SCALE_MODE, META_SCALE_VALUE, META_BETA, META_SOFTCLAMP, META_FP32)
 
 
-def _known_backends() -> tuple[str, ...]:
-    from .backends import BACKENDS  # local import: backends imports this module
+def default_scale(head_dim: int) -> float:
+    """The standard softmax scale 1/sqrt(head_dim): the one place it is computed."""
+    return 1.0 / math.sqrt(head_dim)
 
-    return (AUTO_BACKEND, *BACKENDS)
 
-
-def _usable_backends() -> list[str]:
-    from .backends import available
-
+def usable_backends() -> list[str]:
+    """``"auto"`` and every registered backend installed here."""
     return [AUTO_BACKEND] + [name for name, reason in available().items() if reason is None]
 
 
@@ -55,6 +58,9 @@ class AttentionConfig:
     softclamp: 0 = off; else logits become c*tanh(s/c) (math and stable backends only).
     fp32_softmax: run the backend on fp32 copies of q/k/v (output cast back to the input dtype).
     collect_stats: record per-call statistics (off by default; costs an extra pass over the logits).
+
+    Validated when built (``__post_init__``): an AttentionConfig that exists is a valid one, so nothing
+    downstream validates it again.
     """
 
     backend: str = AUTO_BACKEND
@@ -65,13 +71,16 @@ class AttentionConfig:
     fp32_softmax: bool = False
     collect_stats: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         """Raise ValueError naming the field, the bad value and the fix."""
-        known = _known_backends()
+        known = (AUTO_BACKEND, *BACKENDS)
         if self.backend not in known:
             raise ValueError(
                 f"backend={self.backend!r} is unknown; choose one of {', '.join(known)} "
-                f"(usable here: {', '.join(_usable_backends())})"
+                f"(usable here: {', '.join(usable_backends())})"
             )
         if self.scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode={self.scale_mode!r} is unknown; choose one of {', '.join(SCALE_MODES)}")
@@ -96,17 +105,21 @@ class AttentionConfig:
                 "already keeps softmax statistics in fp32); turn fp32_softmax off or choose sdpa/math/stable"
             )
 
-    def resolve_scale(self, head_dim: int) -> float:
-        """The absolute softmax scale used for a head dimension ``head_dim``."""
+    def resolve_scale(self, head_dim: int, base: float | None = None) -> float:
+        """The absolute softmax scale of a call with head dimension ``head_dim``.
+
+        ``base``: the scale the model asks for itself (None: ``default_scale(head_dim)``). The default and
+        multiplier modes are relative to it; an absolute scale replaces it.
+        """
         if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
             raise ValueError(f"head_dim={head_dim!r} is invalid; it must be a positive integer")
-        default = 1.0 / math.sqrt(head_dim)
+        base = default_scale(head_dim) if base is None else float(base)
         if self.scale_mode == "default":
-            return default
+            return base
         if self.scale_mode == "absolute":
             return float(self.scale_value)
         if self.scale_mode == "multiplier":
-            return float(self.scale_value) * default
+            return float(self.scale_value) * base
         raise ValueError(f"scale_mode={self.scale_mode!r} is unknown; choose one of {', '.join(SCALE_MODES)}")
 
     def scale_is_default(self) -> bool:
@@ -160,20 +173,14 @@ class AttentionConfig:
                 kwargs["scale_mode"] = "default"
         else:
             kwargs["scale_value"] = _parse_float(md, META_SCALE_VALUE, defaults.scale_value)
-        cfg = cls(**kwargs)  # type: ignore[arg-type]
         try:
-            cfg.validate()
+            return cls(**kwargs)  # type: ignore[arg-type]
         except ValueError as exc:
             raise ValueError(f"LoRA metadata holds invalid attention settings: {exc}") from exc
-        return cfg
 
     def replace(self, **changes: object) -> AttentionConfig:
-        """A copy with ``changes`` applied (validated)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        cfg = AttentionConfig(**values)  # type: ignore[arg-type]
-        cfg.validate()
-        return cfg
+        """A copy with ``changes`` applied (validated, as every new config is)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 def _parse_float(md: Mapping[str, str], key: str, default: float) -> float:

@@ -1,29 +1,39 @@
-"""One dispatcher applies an AttentionConfig to every attention call (the single place a scale is applied).
+"""The one attention call path: resolves the softmax scale, observes, upcasts and runs the kernel.
+
+Every attention call of a patched model, and every call the precision probe measures, goes through
+``AttentionDispatcher.run``: the single place a scale is resolved and applied. The kernel is a
+registered backend, or with backend ``auto`` the host's own attention function (ComfyUI's, bound by the
+ComfyUI glue as a ``HostAttention``), which applies its base scale itself, so a different scale is
+folded into q.
 
 Policies (documented in docs/attention.md):
 - Training with a backend that has no backward (``sage``): a clear ValueError, never silently stopped
-  gradients. (With ``auto``, the ComfyUI glue falls back to ``sdpa`` with a logged warning instead.)
+  gradients. With ``auto`` and a host function without a usable backward: ``sdpa``, logged once.
 - A masked call on a backend that cannot take masks (flash, sage): that call runs on ``sdpa``, logged once.
-- ``fp32_softmax``: the backend runs on fp32 copies of q/k/v; the output is cast back to q's dtype.
+- A call whose model needs full precision (``low_precision=False``) on a quantising backend (sage) runs
+  on ``sdpa``.
+- ``fp32_softmax``: the kernel runs on fp32 copies of q/k/v; the output is cast back to q's dtype.
 - ``softclamp``: warns (once per layer) when c < 10 x the call's max logit, since the clamp then changes
   the pretrained model's output noticeably.
 """
 from __future__ import annotations
 
 import logging
-import math
 import threading
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from .backends import Backend, get_backend
-from .config import AttentionConfig
-from .masks import to_bhld
+from .config import AUTO_BACKEND, SOFTCLAMP_SAFETY, AttentionConfig, default_scale
+from .masks import expand_heads, to_bhld
 from .stats import AttentionStats, measure_call
 
 log = logging.getLogger(__name__)
 
-SOFTCLAMP_SAFETY = 10.0
+# Backends that quantise q/k below the input precision: not for calls whose model needs full precision.
+QUANTISING_BACKENDS = ("sage",)
 
 
 def grads_needed(*tensors: torch.Tensor) -> bool:
@@ -39,12 +49,45 @@ def no_backward_message(backend: str) -> str:
     )
 
 
-def scale_query(q: torch.Tensor, scale: float, head_dim: int) -> torch.Tensor:
-    """q multiplied by scale·sqrt(head_dim) in fp32 (fp64 stays fp64), cast back once: a backend that applies
-    1/sqrt(head_dim) then computes softmax(q·kᵀ·scale)."""
-    factor = scale * math.sqrt(head_dim)
+def scale_query(q: torch.Tensor, scale: float, base: float) -> torch.Tensor:
+    """q multiplied by scale/base in fp32 (fp64 stays fp64), cast back once: a kernel that applies
+    ``base`` itself then computes softmax(q·kᵀ·scale). q itself when the two scales are equal."""
+    if scale == base:
+        return q
     wide = q if q.dtype == torch.float64 else q.float()
-    return (wide * factor).to(q.dtype)
+    return (wide * (scale / base)).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class HostAttention:
+    """The host's own attention function, for backend ``auto``.
+
+    ``fn(q, k, v, mask)`` takes q/k/v in the dispatcher's layout (k/v with their own head count) and
+    returns the output in that layout; it applies the call's base scale itself. ``trainable``: False when
+    its gradients do not work (the dispatcher then runs ``sdpa`` while gradients are needed).
+    """
+
+    name: str
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class ObservedCall:
+    """One call as the kernel will see it, for an observer (the probe): q/k/v in ``layout`` (k/v heads
+    repeated to q's), before any fp32 upcast; ``scale`` the resolved scale, ``base`` the model's own."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    layout: str
+    layer: str
+    scale: float
+    base: float
+
+
+Observer = Callable[[ObservedCall], None]
 
 
 class AttentionDispatcher:
@@ -54,7 +97,6 @@ class AttentionDispatcher:
     """
 
     def __init__(self, cfg: AttentionConfig, stats: AttentionStats | None = None) -> None:
-        cfg.validate()
         self.cfg = cfg
         self.stats = stats if stats is not None else AttentionStats()
         self._warned: set[str] = set()
@@ -70,26 +112,42 @@ class AttentionDispatcher:
             self._warned.add(key)
         log.warning(message)
 
-    def observe(self, q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None,
-                layout: str, layer: str) -> None:
-        """Statistics and the softclamp check; costs nothing unless stats or softclamp are on."""
+    def observe(self, call: ObservedCall, observer: Observer | None = None) -> None:
+        """The observer, statistics and the softclamp check; costs nothing unless one of them is on."""
+        if observer is not None:
+            observer(call)
         if not (self.cfg.collect_stats or self.cfg.softclamp > 0):
             return
-        call = measure_call(q, k, scale=scale, mask=mask, layout=layout)
+        measured = measure_call(call.q, call.k, scale=call.scale, mask=call.mask, layout=call.layout)
         if self.cfg.collect_stats:
-            self.stats.record(layer, call)
+            self.stats.record(call.layer, measured)
         c = self.cfg.softclamp
-        if c > 0 and c < SOFTCLAMP_SAFETY * call.max_logit:
+        if c > 0 and c < SOFTCLAMP_SAFETY * measured.max_logit:
             self.warn_once(
-                f"softclamp:{layer}",
-                f"[Precision LoRA] softclamp={c} is below 10x the max logit {call.max_logit:.3g} seen in attention "
-                f"layer {layer}: it changes the pretrained model's output; use softclamp >= "
-                f"{SOFTCLAMP_SAFETY * call.max_logit:.3g} or 0 (off)",
+                f"softclamp:{call.layer}",
+                f"[Precision LoRA] softclamp={c} is below 10x the max logit {measured.max_logit:.3g} seen in "
+                f"attention layer {call.layer}: it changes the pretrained model's output; use softclamp >= "
+                f"{SOFTCLAMP_SAFETY * measured.max_logit:.3g} or 0 (off)",
             )
 
-    def backend_for(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None) -> Backend:
-        """The backend that runs this call, applying the training and mask policies."""
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   host: HostAttention | None = None, low_precision: bool = True) -> Backend | HostAttention:
+        """What runs this call, applying the training, mask and precision policies."""
+        name = self.cfg.backend
+        if name == AUTO_BACKEND:
+            if host is None:
+                raise ValueError("AttentionDispatcher.run cannot run backend 'auto' without the host's own "
+                                 "attention function (host=HostAttention(...))")
+            if host.trainable or not grads_needed(q, k, v):
+                return host
+            self.warn_once(
+                f"auto-fallback:{host.name}",
+                f"[Precision LoRA] ComfyUI's attention backend {host.name} has no usable backward; while gradients "
+                "are needed, the override runs these calls on sdpa instead",
+            )
+            name = "sdpa"
+        elif not low_precision and name in QUANTISING_BACKENDS:
+            name = "sdpa"  # the model asks for full-precision attention here
         backend = get_backend(name, require_available=True)
         if grads_needed(q, k, v) and not backend.trainable:
             raise ValueError(no_backward_message(name))
@@ -102,25 +160,35 @@ class AttentionDispatcher:
         return backend
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
-            layout: str = "bhld", layer: str = "call", scale: float | None = None,
-            backend_name: str | None = None) -> torch.Tensor:
-        """Attention of q/k/v (``layout``) with the configured backend and scale; output like q.
+            layout: str = "bhld", layer: str = "call", base_scale: float | None = None,
+            low_precision: bool = True, host: HostAttention | None = None,
+            observer: Observer | None = None) -> torch.Tensor:
+        """Attention of q/k/v (4-D, ``layout``; k/v may have fewer heads than q) under the config; output
+        like q.
 
-        ``scale`` replaces ``cfg.resolve_scale(head_dim)`` when the caller resolved it (a model that brings
-        its own base scale); ``backend_name`` replaces ``cfg.backend`` for this call. Not for backend "auto"
-        (the ComfyUI glue delegates that to ComfyUI's own backend).
+        ``base_scale``: the scale the model asks for itself (None: 1/sqrt(head_dim)); the config's default
+        and multiplier modes are relative to it. ``low_precision``: False when the model needs
+        full-precision attention at this call. ``host``: the host's own function, which backend ``auto``
+        runs. ``observer``: called with the call before it runs.
         """
-        name = backend_name or self.cfg.backend
-        if name == "auto":
-            raise ValueError("AttentionDispatcher.run cannot run backend 'auto'; the ComfyUI glue delegates it")
-        if scale is None:
-            scale = self.cfg.resolve_scale(to_bhld(q, layout).shape[-1])
-        self.observe(q, k, scale, mask, layout, layer)
-        backend = self.backend_for(name, q, k, v, mask)
+        head_dim = to_bhld(q, layout).shape[-1]
+        base = default_scale(head_dim) if base_scale is None else float(base_scale)
+        scale = self.cfg.resolve_scale(head_dim, base)
+        k_all, v_all = expand_heads(k, q, layout), expand_heads(v, q, layout)
+        self.observe(ObservedCall(q, k_all, v_all, mask, layout, layer, scale, base), observer)
+        kernel = self.kernel_for(q, k, v, mask, host, low_precision)
         out_dtype = q.dtype
-        if self.cfg.fp32_softmax and q.dtype != torch.float64:
-            q, k, v = q.float(), k.float(), v.float()
-            mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
-        out = backend(q, k, v, scale=scale, mask=mask, layout=layout,
-                      softclamp=self.cfg.softclamp, beta=self.cfg.stable_beta)
+        if isinstance(kernel, HostAttention):
+            q, k, v, mask = self._upcast(q, k, v, mask)
+            return kernel.fn(scale_query(q, scale, base), k, v, mask).to(out_dtype)
+        q, k, v, mask = self._upcast(q, k_all, v_all, mask)
+        out = kernel(q, k, v, scale=scale, mask=mask, layout=layout,
+                     softclamp=self.cfg.softclamp, beta=self.cfg.stable_beta)
         return out.to(out_dtype)
+
+    def _upcast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        """fp32 copies of q/k/v and a float mask under ``fp32_softmax`` (fp64 stays fp64)."""
+        if not self.cfg.fp32_softmax or q.dtype == torch.float64:
+            return q, k, v, mask
+        mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
+        return q.float(), k.float(), v.float(), mask

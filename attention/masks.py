@@ -1,4 +1,4 @@
-"""Layouts and masks shared by every backend.
+"""Layouts, masks and the logits formula shared by every backend and by the statistics.
 
 Layouts: ``"bhld"`` = (B, H, L, D), ``"blhd"`` = (B, L, H, D). Masks follow ComfyUI's pytorch backend
 (and SDPA): a 2-D mask is (Lq, Lk), a 3-D mask (B, Lq, Lk), a 4-D mask (B, H, Lq, Lk); any size-1 dim
@@ -28,6 +28,14 @@ def from_bhld(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Inverse of ``to_bhld``: (B, H, L, D) viewed in ``layout``."""
     check_layout(layout)
     return x if layout == "bhld" else x.transpose(1, 2)
+
+
+def expand_heads(kv: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
+    """k or v (4-D, ``layout``) with its heads repeated to q's head count: grouped-query attention, where
+    each k/v head serves several query heads. A no-op without it."""
+    axis = 1 if layout == "bhld" else 2
+    groups = q.shape[axis] // kv.shape[axis]
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=axis)
 
 
 def prepare_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -79,3 +87,16 @@ def unmask_dead_rows(mask: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask | dead
     return torch.where(dead, torch.zeros((), dtype=mask.dtype, device=mask.device), mask)
+
+
+def finish_logits(s: torch.Tensor, softclamp: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """The logits from the scaled products s = q·kᵀ·scale: softclamp c·tanh(s/c) when c > 0, then the
+    additive ``mask`` (broadcastable to s). Works in place on s unless autograd records s (the math
+    backend), so the tiled loops allocate no second block."""
+    if s.requires_grad:
+        if softclamp > 0:
+            s = softclamp * torch.tanh(s / softclamp)
+        return s if mask is None else s + mask
+    if softclamp > 0:
+        s = torch.tanh(s.div_(softclamp)).mul_(softclamp)
+    return s if mask is None else s.add_(mask)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import additive_mask, from_bhld, prepare_mask, to_bhld
+from .masks import additive_mask, finish_logits, from_bhld, prepare_mask, to_bhld
 
 
 def _softmax_attention(
@@ -15,12 +15,9 @@ def _softmax_attention(
     softclamp: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """q (B,H,Lq,D), k (B,H,Lk,D), v (B,H,Lk,Dv) -> (B,H,Lq,Dv) in ``dtype``."""
-    s = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    if softclamp > 0:
-        s = softclamp * torch.tanh(s / softclamp)
     m4 = prepare_mask(mask, q, k)
-    if m4 is not None:
-        s = s + additive_mask(m4, dtype)
+    s = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    s = finish_logits(s, softclamp, None if m4 is None else additive_mask(m4, dtype))
     row_max = s.amax(dim=-1, keepdim=True).detach()
     # Rows with every key masked have max -inf: shift by 0 so exp gives 0 instead of NaN.
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)

@@ -1,4 +1,4 @@
-"""Stable-softmax attention (Qiu & Yao, arXiv 2510.04212), hardened as in PRECISION.md §3.
+"""Stable-softmax attention (Qiu & Yao, arXiv 2510.04212), hardened (row-dependent shift, bounds, jitter).
 
 Blocked online softmax: (batch, head group, query chunk) blocks, keys in tiles, so the live logits
 block is about 2 MiB whatever the sequence length: memory O(rows × tile).
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import additive_mask, from_bhld, prepare_mask, to_bhld
+from .masks import additive_mask, finish_logits, from_bhld, prepare_mask, to_bhld
 
 TIE_TOLERANCE = 0.00196  # > -ln(1 - 2**-9): any logit this close to the max gives bf16(P̄) == 1
 SHIFT_MIN = 0.01
@@ -111,7 +111,7 @@ def row_shift(
     """Δ for row maxima ``r`` and per-row ``jitter`` (``row_jitter``): d = raw + jitter with
     raw = (β−1)·r for r > 0, −r for r <= 0 (the paper's m = β·r or m = 0), kept in [0.01, 60] by a
     *folded* clamp: below 0.01 it becomes 0.01 + d, above ``high`` (60; ``shift_max``) high − frac(d).
-    Δ must differ between rows (PRECISION.md §3): rows sharing a Δ share the relative bf16 rounding of
+    Δ must differ between rows: rows sharing a Δ share the relative bf16 rounding of
     their tied P̄ = exp(−Δ), and over few distinct Δ that rounding has a nonzero mean, which is the bias
     again. A hard clamp would give every row above the bound one Δ (hence the fold); row maxima on a
     coarse grid give few distinct raw values (hence the jitter). Both keep ℓ >= e^-60 > 0 in fp32."""
@@ -124,17 +124,6 @@ def row_shift(
 def _row_offset(r: torch.Tensor, tied: torch.Tensor, beta: float, jitter: torch.Tensor, high: float) -> torch.Tensor:
     """m for each row: r, or r + Δ on tied rows."""
     return torch.where(tied, r + row_shift(r, beta, jitter, high), r)
-
-
-def _logits(q: torch.Tensor, kt_tile: torch.Tensor, softclamp: float, mask_tile: torch.Tensor | None) -> torch.Tensor:
-    """q already scaled (fp32), kt_tile = kᵀ tile (B,H,D,T); returns (B,H,rows,T) fp32 logits with
-    softclamp and mask applied."""
-    s = torch.matmul(q, kt_tile)
-    if softclamp > 0:
-        s = torch.tanh(s.div_(softclamp)).mul_(softclamp)
-    if mask_tile is not None:
-        s = s.add_(mask_tile)
-    return s
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +152,8 @@ def _forward_rows(
     triggered = torch.zeros(qs.shape[:-1] + (1,), dtype=torch.bool, device=qs.device) if shift else None
     for start in range(0, lk, tile):
         end = min(start + tile, lk)
-        s = _logits(qs, kt[..., start:end], opts.softclamp, None if mask is None else mask[..., start:end])
+        s = finish_logits(torch.matmul(qs, kt[..., start:end]), opts.softclamp,
+                          None if mask is None else mask[..., start:end])
         tile_max = s.amax(dim=-1, keepdim=True)
         r_new = tile_max if r is None else torch.maximum(r, tile_max)
         live = torch.isfinite(r_new)
@@ -242,7 +232,7 @@ def stable_backward(
             kb = min(ka + tile, lk)
             k_t, v_t = k[bs, hs, ka:kb], v[bs, hs, ka:kb]
             s = torch.matmul(qs, kt[bs, hs, :, ka:kb])
-            if opts.softclamp > 0:
+            if opts.softclamp > 0:  # not finish_logits: the clamp's derivative 1 - t² needs t itself
                 t = torch.tanh(s / opts.softclamp)
                 s = t * opts.softclamp
             if mask_c is not None:

@@ -1,10 +1,11 @@
-"""Per-call attention statistics, collected only when ``AttentionConfig.collect_stats`` is on.
+"""Per-call attention row statistics: the one measurement behind the collector the dispatcher fills when
+``AttentionConfig.collect_stats`` is on, the softclamp check, and the precision probe.
 
 For one call, from the logits S = q·kᵀ·scale (+ softclamp, + mask), per row (fully masked rows are
-left out): the max logit, the entropy of softmax(S) divided by ln(keys), whether >= 2 logits lie within
-``TIE_TOLERANCE`` of the row max (the stable shift fires) and whether >= 2 entries of
-bf16(exp(S − rowmax)) equal 1 (the bias condition of PRECISION.md §3). Two passes over key tiles, so
-memory stays O(rows × tile).
+left out): the max logit, the max probability, the entropy of softmax(S) divided by ln(keys), whether
+>= 2 logits lie within ``TIE_TOLERANCE`` of the row max (the stable shift fires) and whether >= 2
+entries of bf16(exp(S − rowmax)) equal 1 (the condition under which bf16 P̄·V is biased). Two passes
+over key tiles, so memory stays O(rows × tile).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .masks import additive_mask, prepare_mask, to_bhld
+from .masks import additive_mask, finish_logits, prepare_mask, to_bhld
 from .stable import TIE_TOLERANCE
 
 STATS_TILE_ELEMENTS = 1 << 24
@@ -30,6 +31,7 @@ class LayerStats:
     shift_rows: int = 0
     bf16_one_rows: int = 0
     entropy_sum: float = 0.0
+    max_prob: float = 0.0
 
     @property
     def shift_fraction(self) -> float:
@@ -53,10 +55,11 @@ class LayerStats:
         self.shift_rows += other.shift_rows
         self.bf16_one_rows += other.bf16_one_rows
         self.entropy_sum += other.entropy_sum
+        self.max_prob = max(self.max_prob, other.max_prob)
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "calls": self.calls, "rows": self.rows, "max_logit": self.max_logit,
+            "calls": self.calls, "rows": self.rows, "max_logit": self.max_logit, "max_prob": self.max_prob,
             "shift_fraction": self.shift_fraction, "bf16_one_fraction": self.bf16_one_fraction,
             "entropy_ratio": self.entropy_ratio,
         }
@@ -68,11 +71,7 @@ def _tiled_logits(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Te
     qs = q.float() * scale
     for start in range(0, k.shape[2], tile):
         s = torch.matmul(qs, k[:, :, start:start + tile].float().transpose(-1, -2))
-        if softclamp > 0:
-            s = softclamp * torch.tanh(s / softclamp)
-        if mask is not None:
-            s = s + mask[..., start:start + tile]
-        yield s
+        yield finish_logits(s, softclamp, None if mask is None else mask[..., start:start + tile])
 
 
 @torch.no_grad()
@@ -102,10 +101,12 @@ def measure_call(
         p_logit = p_logit + torch.where(p > 0, p * s, torch.zeros_like(s)).sum(dim=-1, keepdim=True)
     keys = kb.shape[2]
     entropy = (lse_safe - p_logit) / math.log(keys) if keys > 1 else torch.zeros_like(r)
+    any_live = bool(live.any())
     return LayerStats(
         calls=1,
         rows=int(live.sum()),
-        max_logit=float(row_max[live].max()) if bool(live.any()) else float("-inf"),
+        max_logit=float(row_max[live].max()) if any_live else float("-inf"),
+        max_prob=float(torch.exp(r - lse_safe)[live].max()) if any_live else 0.0,
         shift_rows=int(((near >= 2) & live).sum()),
         bf16_one_rows=int(((ones >= 2) & live).sum()),
         entropy_sum=float(entropy[live].sum()),

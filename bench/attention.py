@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import precision  # noqa: E402  (bench/precision.py: the bias scenarios)
 from attention import stable as pt_stable  # noqa: E402
+from attention.config import default_scale  # noqa: E402
 
 FULL_SHAPES = (("flux layer", 1, 24, 4096, 128), ("small layer", 2, 8, 1024, 64))
 QUICK_SHAPES = (("tiny a", 1, 2, 64, 16), ("tiny b", 2, 4, 128, 32))
@@ -64,7 +65,7 @@ def variants(comfy_attn, glue, config, stable, heads: int, head_dim: int):
     default_opts = {"optimized_attention_override": glue.PrecisionAttentionOverride(config.AttentionConfig())}
     scaled_cfg = config.AttentionConfig(scale_mode="multiplier", scale_value=2.0)
     scaled_opts = {"optimized_attention_override": glue.PrecisionAttentionOverride(scaled_cfg)}
-    scale = head_dim ** -0.5
+    scale = config.default_scale(head_dim)
     return {
         "stock": lambda q, k, v: stock(q, k, v, heads, skip_reshape=True, transformer_options={}),
         "override_default": lambda q, k, v: stock(q, k, v, heads, skip_reshape=True, transformer_options=default_opts),
@@ -195,7 +196,7 @@ def kernel_timing_table(shapes, repeats: int, cuda: bool) -> None:
     for label, b, h, length, d in shapes:
         q, k, v = (torch.randn(b, h, length, d, generator=gen).to("cuda" if cuda else "cpu", dtype) for _ in range(3))
         for backward in (False, True):
-            fns = pass_closures(attention_fns(cuda, d ** -0.5), q, k, v, backward)
+            fns = pass_closures(attention_fns(cuda, default_scale(d)), q, k, v, backward)
             slow = {"stable_pytorch": fns.pop("stable_pytorch")}
             times = median_times(slow, 3, cuda)
             if cuda:
@@ -223,7 +224,7 @@ def sweep(repeats: int) -> None:
         fns = {}
         for cfg in configs:
             c = getattr(cfg, kernel)
-            fns[str((c.block_m, c.block_n, c.num_warps, c.num_stages))] = attention_fns(True, 128 ** -0.5, cfg)["fused"]
+            fns[str((c.block_m, c.block_n, c.num_warps, c.num_stages))] = attention_fns(True, default_scale(128), cfg)["fused"]
         warm_gpu()
         times = median_times(pass_closures(fns, q, k, v, backward), repeats, True)
         for name, t in times.items():

@@ -43,8 +43,9 @@ import pure_packages  # noqa: E402  (the pure packages by their short names)
 
 pure_packages.install()
 from attention.backends import get_backend  # noqa: E402
-from attention.probe_stats import measure_attention  # noqa: E402
+from attention.config import default_scale  # noqa: E402
 from attention.stable import StableOptions, stable_attention  # noqa: E402
+from attention.stats import measure_call  # noqa: E402
 from lora.config import LoRAConfig  # noqa: E402
 from lora.layer import LoRASet, lora_linear  # noqa: E402
 
@@ -137,7 +138,7 @@ class TinyModel(nn.Module):
         for i in range(self.cfg["blocks"]):
             y = F.layer_norm(x, (d,))
             q, k, v = self.linear(f"blocks.{i}.qkv", y).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-            a = attend(self.spec.attention, q, k, v, 1.0 / math.sqrt(d // h)).transpose(1, 2).reshape(b, n, d)
+            a = attend(self.spec.attention, q, k, v, default_scale(d // h)).transpose(1, 2).reshape(b, n, d)
             x = x + self.linear(f"blocks.{i}.proj", a)
             y = F.layer_norm(x, (d,))
             x = x + self.linear(f"blocks.{i}.fc2", F.gelu(self.linear(f"blocks.{i}.fc1", y)))
@@ -225,8 +226,8 @@ def tie_fraction(cfg: dict, base: dict[str, torch.Tensor], data: dict[str, torch
     """Fraction of attention rows of the first block with two bf16(P̄) == 1 at the start of training."""
     d, h = cfg["dim"], cfg["heads"]
     x = data["x_test"].bfloat16()
-    q, k, v = F.linear(F.layer_norm(x, (d,)), base["blocks.0.qkv"].bfloat16()).view(*x.shape[:2], 3, h, d // h).permute(2, 0, 3, 1, 4)
-    return measure_attention(q, k, v, scale=1.0 / math.sqrt(d // h), max_rows=0, with_bias=False).bf16_one_fraction
+    q, k, _v = F.linear(F.layer_norm(x, (d,)), base["blocks.0.qkv"].bfloat16()).view(*x.shape[:2], 3, h, d // h).permute(2, 0, 3, 1, 4)
+    return measure_call(q, k, scale=default_scale(d // h)).bf16_one_fraction
 
 
 def run_group(specs: tuple[RunSpec, ...], cfg: dict, lr: float, seed: int = 0, device: str = "cpu") -> list[dict]:

@@ -1,4 +1,4 @@
-"""PRECISION.md's tables, reproduced by this pack's own code in one run.
+"""The precision claims' tables (docs), reproduced by this pack's own code in one run.
 
 1. LoRA delta survival vs rms(ΔW)/rms(W) and rank, for a bf16 merge, a bf16 add of the bf16 delta, the
    fp32 delta added to the rounded base output, and the pack's fp32 unmerged layer
@@ -15,6 +15,7 @@ Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import pure_packages  # noqa: E402  (the pure packages by their short names)
 
 pure_packages.install()
-from attention.probe_stats import entropy_ratio_dense  # noqa: E402
+from attention.config import default_scale  # noqa: E402
 from attention.stable import TIE_TOLERANCE, StableOptions, stable_forward  # noqa: E402
 from lora.config import LoRAConfig  # noqa: E402
 from lora.layer import LoRAAdapter  # noqa: E402
@@ -67,12 +68,18 @@ def survival_table(cfg: dict, seed: int = 0, device: str = "cpu") -> list[dict]:
     return rows
 
 
+def entropy_ratio_dense(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) / ln(N) per row, fp64. logits (…, N) → (…)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1) / math.log(logits.shape[-1])
+
+
 def scale_table(cfg: dict, head_dim: int = 128, seed: int = 0) -> list[dict]:
     """Per multiplier c of 1/sqrt(d): entropy/lnN, KL(p ‖ p from bf16 logits), bf16 max-logit tie rows."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(cfg["rows"], head_dim, generator=gen)
     k = torch.randn(cfg["keys"], head_dim, generator=gen)
-    raw = (q.double() @ k.double().t()) / head_dim**0.5
+    raw = (q.double() @ k.double().t()) * default_scale(head_dim)
     rows = []
     for c in cfg["mults"]:
         s = (raw * c).float()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
-import math
+from typing import Mapping
 
 from ..attention.backends import BACKENDS, available
-from ..attention.config import AUTO_BACKEND, SCALE_MODES, STABLE_BETA_RANGE, AttentionConfig
+from ..attention.config import (
+    AUTO_BACKEND, SCALE_MODES, STABLE_BETA_RANGE, AttentionConfig, default_scale, usable_backends,
+)
 from .attention_glue import patch_attention
 from .checks import PrecisionNode
 from .comfy_io import io
@@ -16,29 +18,17 @@ log = logging.getLogger(__name__)
 NODE = "PrecisionPatchAttention"
 DEFAULTS = AttentionConfig()
 BACKEND_OPTIONS = [AUTO_BACKEND, *BACKENDS]
+INPUTS = ("backend", "scale_mode", "scale_value", "stable_beta", "softclamp", "fp32_softmax")
 
 
-def config_problem(cfg: AttentionConfig) -> str | None:
-    """Why ``cfg`` cannot be applied here (invalid, or its backend is not installed), with the fix; or None."""
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        return str(exc)
+def build_config(values: Mapping[str, object]) -> AttentionConfig:
+    """The node's inputs as an AttentionConfig: the one place the node builds (and so validates) it.
+    ValueError says why it cannot be applied here (invalid, or its backend is not installed) and the fix."""
+    cfg = AttentionConfig(**{n: values[n] for n in INPUTS})  # type: ignore[arg-type]
     reason = None if cfg.backend == AUTO_BACKEND else available()[cfg.backend]
     if reason is not None:
-        usable = ", ".join([AUTO_BACKEND] + [n for n, r in available().items() if r is None])
-        return f"backend={cfg.backend!r} is unavailable here: {reason}; usable backends: {usable}"
-    return None
-
-
-def build_config(backend: str, scale_mode: str, scale_value: float, stable_beta: float, softclamp: float,
-                 fp32_softmax: bool) -> AttentionConfig:
-    """The node's inputs as a validated AttentionConfig; ValueError names the node, input, value and fix."""
-    cfg = AttentionConfig(backend=backend, scale_mode=scale_mode, scale_value=scale_value,
-                          stable_beta=stable_beta, softclamp=softclamp, fp32_softmax=fp32_softmax)
-    problem = config_problem(cfg)
-    if problem is not None:
-        raise ValueError(f"[Precision LoRA] {NODE}: {problem}")
+        raise ValueError(f"backend={cfg.backend!r} is unavailable here: {reason}; "
+                         f"usable backends: {', '.join(usable_backends())}")
     return cfg
 
 
@@ -46,8 +36,7 @@ def describe_patch(cfg: AttentionConfig, head_dim: int | None) -> str:
     """The info output: backend, resolved scale for the model's head_dim, options."""
     lines = [f"backend: {cfg.backend}" + (" (ComfyUI's own attention)" if cfg.backend == AUTO_BACKEND else "")]
     if head_dim:
-        scale = cfg.resolve_scale(head_dim)
-        default = 1.0 / math.sqrt(head_dim)
+        scale, default = cfg.resolve_scale(head_dim), default_scale(head_dim)
         lines.append(f"softmax scale: {scale:.6g} for head_dim {head_dim} ({scale / default:.4g} x default {default:.6g})")
     else:
         lines.append(f"softmax scale: {cfg.scale_mode} {cfg.scale_value:g} (head_dim unknown: resolved per call)")
@@ -109,15 +98,22 @@ class PrecisionPatchAttention(PrecisionNode):
     def check(cls, values: dict) -> str | None:
         """Option combinations (softclamp needs math/stable, ...) and backend availability; ranges and
         options of single inputs are the gate's (PrecisionNode)."""
-        names = ("backend", "scale_mode", "scale_value", "stable_beta", "softclamp", "fp32_softmax")
-        if any(values.get(n) is None for n in names):
+        if any(values.get(n) is None for n in INPUTS):
             return None  # a linked input: checked again when the node runs
-        return config_problem(AttentionConfig(**{n: values[n] for n in names}))
+        try:
+            build_config(values)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @classmethod
     def execute(cls, model, backend: str, scale_mode: str, scale_value: float, stable_beta: float,
                 softclamp: float, fp32_softmax: bool) -> io.NodeOutput:
-        cfg = build_config(backend, scale_mode, scale_value, stable_beta, softclamp, fp32_softmax)
+        try:
+            cfg = build_config(dict(backend=backend, scale_mode=scale_mode, scale_value=scale_value,
+                                    stable_beta=stable_beta, softclamp=softclamp, fp32_softmax=fp32_softmax))
+        except ValueError as exc:
+            raise ValueError(f"[Precision LoRA] {NODE}: {exc}") from None
         patched = patch_attention(model, cfg)
         info = describe_patch(cfg, describe_model(model).head_dim)
         log.info("[Precision LoRA] %s: %s", NODE, info.replace("\n", "; "))

@@ -1,4 +1,4 @@
-"""ComfyUI glue for the attention override (COMFYUI.md §2, §3).
+"""ComfyUI glue for the attention override: binds ComfyUI's arguments and reshapes; nothing else.
 
 ``patch_attention(model, cfg)`` returns a clone whose ``transformer_options["optimized_attention_override"]``
 is a ``PrecisionAttentionOverride``. ComfyUI's ``wrap_attn`` calls it as
@@ -7,10 +7,10 @@ the backend ComfyUI selected. Layouts: q/k/v are (B, L, H·D) unless ``skip_resh
 the output is (B, L, H·D) unless ``skip_output_reshape`` (then (B, H, L, D)). The mask comes as the
 ``mask`` keyword or as the 5th positional argument.
 
-Backend ``auto`` delegates to ``func`` (q multiplied by scale·sqrt(d) in fp32 for a non-default scale);
-``func`` is the undecorated backend and kwargs keep ``_inside_attn_wrapper``, so it never re-enters the
-override. When autograd needs gradients and ``func`` is ComfyUI's sage or flash path (no usable backward),
-``auto`` falls back to our ``sdpa`` with a logged warning. An explicitly chosen ``sage`` raises instead.
+The override views q/k/v as 4-D tensors and hands them to the one call path,
+``attention.dispatch.AttentionDispatcher.run``, which resolves the scale, observes, upcasts and runs the
+chosen backend, or for backend ``auto`` ``func`` itself (bound here as a ``HostAttention``: ``func`` is the
+undecorated backend and kwargs keep ``_inside_attn_wrapper``, so it never re-enters the override).
 
 Keywords newer ComfyUI passes (0.33): ``scale`` (a model's own base scale, which every backend there
 honours) is the base of the default and multiplier modes; ``enable_gqa`` (k/v with fewer heads than q)
@@ -21,14 +21,13 @@ Everything else is forwarded untouched.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any, Callable
 
 import torch
 
 from ..attention.config import AttentionConfig
-from ..attention.dispatch import AttentionDispatcher, grads_needed, scale_query
+from ..attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ..attention.stats import AttentionStats
 from .comfy_compat import has_backward
 
@@ -58,16 +57,14 @@ def _to_4d(x: torch.Tensor, heads: int, skip_reshape: bool) -> tuple[torch.Tenso
     return x.reshape(b, length, heads, inner // heads), "blhd"  # a view unless x is oddly strided
 
 
+def _to_comfy(x: torch.Tensor, skip_reshape: bool) -> torch.Tensor:
+    """Inverse of ``_to_4d`` (a view): what ComfyUI's backend takes."""
+    return x if skip_reshape else x.reshape(x.shape[0], x.shape[1], -1)
+
+
 def k_heads(k: torch.Tensor, head_dim: int, skip_reshape: bool) -> int:
     """Heads of a key/value tensor: fewer than the query's under grouped-query attention."""
     return k.shape[1] if skip_reshape else k.shape[-1] // head_dim
-
-
-def _expand_heads(kv: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
-    """k or v (4-D, ``layout``) with its heads repeated to q's head count (a no-op without GQA)."""
-    axis = 1 if layout == "bhld" else 2
-    groups = q.shape[axis] // kv.shape[axis]
-    return kv if groups == 1 else kv.repeat_interleave(groups, dim=axis)
 
 
 def _from_4d(out: torch.Tensor, layout: str, skip_output_reshape: bool) -> torch.Tensor:
@@ -79,12 +76,43 @@ def _from_4d(out: torch.Tensor, layout: str, skip_output_reshape: bool) -> torch
     return blhd.reshape(b, length, heads * dim)
 
 
-class PrecisionAttentionOverride:
-    """The callable stored in transformer_options. Deep copies return the same object (COMFYUI.md §3),
-    so clones share its dispatcher and statistics."""
+def _out_to_4d(out: torch.Tensor, heads: int, layout: str, skip_output_reshape: bool) -> torch.Tensor:
+    """Inverse of ``_from_4d`` (a view): ComfyUI's output in ``layout``."""
+    if skip_output_reshape:
+        return out if layout == "bhld" else out.transpose(1, 2)
+    blhd = out.reshape(out.shape[0], out.shape[1], heads, -1)
+    return blhd if layout == "blhd" else blhd.transpose(1, 2)
 
-    def __init__(self, cfg: AttentionConfig, stats: AttentionStats | None = None) -> None:
+
+def _host(func: Callable[..., torch.Tensor], heads: int, rest: tuple[Any, ...], kwargs: dict[str, Any],
+          bound: dict[str, Any], layout: str) -> HostAttention:
+    """ComfyUI's ``func`` as the dispatcher's host kernel: q/k/v back to ComfyUI's shapes, the (possibly
+    upcast) mask where it came from, every other argument as ComfyUI passed it."""
+    skip, skip_out = bool(bound.get("skip_reshape", False)), bool(bound.get("skip_output_reshape", False))
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        args, named = list(rest), kwargs
+        if args:
+            args[0] = mask
+        elif "mask" in kwargs:
+            named = {**kwargs, "mask": mask}
+        out = func(_to_comfy(q, skip), _to_comfy(k, skip), _to_comfy(v, skip), heads, *args, **named)
+        return _out_to_4d(out, heads, layout, skip_out)
+
+    return HostAttention(getattr(func, "__name__", ""), run, has_backward(func))
+
+
+class PrecisionAttentionOverride:
+    """The callable stored in transformer_options. Deep copies return the same object (ComfyUI deep-copies
+    model options per clone), so clones share its dispatcher and statistics.
+
+    ``observer``: handed every call (as the dispatcher resolved it) before it runs; the probe's twin sets it.
+    """
+
+    def __init__(self, cfg: AttentionConfig, stats: AttentionStats | None = None,
+                 observer: Observer | None = None) -> None:
         self.dispatcher = AttentionDispatcher(cfg, stats)
+        self.observer = observer
         self._label_lock = threading.Lock()
         self._last_options: dict | None = None
         self._call_index = 0
@@ -96,83 +124,32 @@ class PrecisionAttentionOverride:
     def __deepcopy__(self, memo: dict) -> PrecisionAttentionOverride:
         return self
 
+    def observed_by(self, observer: Observer) -> PrecisionAttentionOverride:
+        """A twin that shares this override's dispatcher (settings, statistics, warnings) and hands every
+        call to ``observer`` as well."""
+        twin = PrecisionAttentionOverride(self.cfg, observer=observer)
+        twin.dispatcher = self.dispatcher
+        return twin
+
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
-        if self.cfg.is_default():
+        if self.cfg.is_default() and self.observer is None:
             return func(q, k, v, heads, *rest, **kwargs)
         bound = _bind(rest, kwargs)
-        layer = self._layer_label(kwargs.get("transformer_options"))
-        if self.cfg.backend == "auto" and not self._auto_needs_fallback(func, q, k, v):
-            return self._delegate(func, q, k, v, heads, rest, kwargs, bound, layer)
-        return self._run_ours(q, k, v, heads, bound, kwargs, layer)
-
-    def target_scale(self, head_dim: int, model_scale: float | None) -> float:
-        """The softmax scale of one call. ``model_scale``: the ``scale`` a model passes itself (ComfyUI
-        0.33+ backends honour it); it replaces 1/sqrt(head_dim) as the base of default and multiplier
-        modes, while an absolute scale stays absolute."""
-        resolved = self.cfg.resolve_scale(head_dim)
-        if model_scale is None or self.cfg.scale_mode == "absolute":
-            return resolved
-        return resolved * float(model_scale) * math.sqrt(head_dim)
-
-    def _auto_needs_fallback(self, func: Callable[..., torch.Tensor], q, k, v) -> bool:
-        if not has_backward(func) and grads_needed(q, k, v):
-            name = getattr(func, "__name__", "")
-            self.dispatcher.warn_once(
-                f"auto-fallback:{name}",
-                f"[Precision LoRA] ComfyUI's attention backend {name} has no usable backward; while gradients "
-                "are needed, the override runs these calls on sdpa instead",
-            )
-            return True
-        return False
-
-    def _delegate(self, func, q, k, v, heads, rest, kwargs, bound, layer) -> torch.Tensor:
-        """backend auto: ComfyUI's own backend with the scale folded into q (fp32 before the cast). The
-        backend applies the model's own ``scale`` kwarg (if any) or 1/sqrt(d): q is scaled relative to it."""
         skip = bool(bound.get("skip_reshape", False))
         q4, layout = _to_4d(q, heads, skip)
-        head_dim = q4.shape[-1]
-        k4, _ = _to_4d(k, k_heads(k, head_dim, skip), skip)
-        model_scale = kwargs.get("scale")
-        scale = self.target_scale(head_dim, model_scale)
-        mask = bound.get("mask")
-        self.dispatcher.observe(q4, _expand_heads(k4, q4, layout), scale, mask, layout, layer)
-        out_dtype = q.dtype
-        if self.cfg.fp32_softmax and q.dtype != torch.float64:
-            q, k, v = q.float(), k.float(), v.float()
-            if mask is not None and mask.dtype != torch.bool:
-                mask = mask.float()
-        if not self.cfg.scale_is_default():
-            base = float(model_scale) if model_scale is not None else head_dim ** -0.5
-            q = scale_query(q, scale / (base * math.sqrt(head_dim)), head_dim)
-        rest = list(rest)
-        if rest:
-            rest[0] = mask
-        elif "mask" in kwargs:
-            kwargs = {**kwargs, "mask": mask}
-        return func(q, k, v, heads, *rest, **kwargs).to(out_dtype)
-
-    def _run_ours(self, q, k, v, heads, bound, kwargs, layer) -> torch.Tensor:
-        skip = bool(bound.get("skip_reshape", False))
-        q4, layout = _to_4d(q, heads, skip)
-        head_dim = q4.shape[-1]
-        kv_heads = k_heads(k, head_dim, skip)
-        # grouped-query attention (``enable_gqa``): each k/v head serves heads/kv_heads query heads
-        k4 = _expand_heads(_to_4d(k, kv_heads, skip)[0], q4, layout)
-        v4 = _expand_heads(_to_4d(v, kv_heads, skip)[0], q4, layout)
-        backend = None
-        if self.cfg.backend == "auto":  # the logged fallback of _auto_needs_fallback
-            backend = "sdpa"
-        elif kwargs.get("low_precision_attention") is False and self.cfg.backend == "sage":
-            backend = "sdpa"  # the model asks for full-precision attention here (sage would quantise q/k)
-        out = self.dispatcher.run(q4, k4, v4, mask=bound.get("mask"), layout=layout, layer=layer,
-                                  scale=self.target_scale(head_dim, kwargs.get("scale")), backend_name=backend)
+        kv_heads = k_heads(k, q4.shape[-1], skip)
+        out = self.dispatcher.run(
+            q4, _to_4d(k, kv_heads, skip)[0], _to_4d(v, kv_heads, skip)[0], mask=bound.get("mask"), layout=layout,
+            layer=self._layer_label(kwargs.get("transformer_options")), base_scale=kwargs.get("scale"),
+            low_precision=kwargs.get("low_precision_attention") is not False,
+            host=_host(func, heads, rest, kwargs, bound, layout), observer=self.observer)
         return _from_4d(out, layout, bool(bound.get("skip_output_reshape", False)))
 
     def _layer_label(self, options: dict | None) -> str:
         """"double.3" from Flux's block_type/block_index, else "call.N": the N-th call seen with the same
         transformer_options dict (one dict per model forward)."""
-        if not self.cfg.collect_stats:
+        if not (self.cfg.collect_stats or self.observer is not None):
             return "call"
         if options is not None and "block_type" in options and "block_index" in options:
             return f"{options['block_type']}.{options['block_index']}"
@@ -188,9 +165,9 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     """A clone of the ModelPatcher ``model`` whose every attention call follows ``cfg``.
 
     The override lives in the clone's model_options only: the shared module is never touched, so
-    bypassing the node (or using the original model) gives stock attention.
+    bypassing the node (or using the original model) gives stock attention. ``cfg`` was validated when
+    it was built.
     """
-    cfg.validate()
     clone = model.clone()
     options = clone.model_options.setdefault("transformer_options", {})
     options[OVERRIDE_KEY] = PrecisionAttentionOverride(cfg)

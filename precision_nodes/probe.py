@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 
 from ..probe.survival import summarize
 from ..probe.report import format_report
@@ -20,11 +19,11 @@ ROWS_RANGE = (8, 4096)
 
 
 def settings_of(result: ProbeResult) -> dict[str, object]:
-    """Attention settings as the report shows them (scale resolved at the model's head_dim)."""
-    cfg, d = result.attention_cfg, result.head_dim
-    scale = cfg.resolve_scale(d) if d else 0.0
-    return {"backend": cfg.backend, "scale": scale, "multiplier": scale * math.sqrt(d) if d else 1.0,
-            "softclamp": cfg.softclamp}
+    """Attention settings as the report shows them: the scale the dispatcher applied, and its multiple of
+    the model's own scale."""
+    cfg = result.attention_cfg
+    return {"backend": cfg.backend, "scale": result.scale,
+            "multiplier": result.scale / result.base_scale if result.base_scale else 1.0, "softclamp": cfg.softclamp}
 
 
 def _check(model, latent, conditioning) -> None:

@@ -2,25 +2,27 @@
 
 The forward runs through ComfyUI's own conditioning path (``convert_cond`` → ``encode_model_conds`` →
 ``calc_cond_batch``), i.e. what a sampler does for one step. Instrumentation never changes the output:
-- attention: a ``ProbeAttentionOverride`` wraps whatever override the model has (ours or none) in a
-  *copy* of ``model_options`` that is passed to this one call only; it measures q/k/v and then calls the
-  wrapped override (or ComfyUI's backend) with the untouched arguments;
+- attention: the calls take the one attention path, ``AttentionDispatcher.run``, through a twin of the
+  model's override (or of a default one) that shares its dispatcher and hands every call, with the scale
+  the dispatcher resolved, to a ``ProbeRecorder``; the twin sits in a *copy* of ``model_options`` passed
+  to this one call only, and the call then runs exactly as it would have;
 - LoRA: forward pre-hooks on the adapted Linear modules record their inputs and are removed in ``finally``.
 """
 from __future__ import annotations
 
 import copy
+import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..attention.config import AttentionConfig
-from ..attention.probe_stats import ProbeAttentionStats, measure_attention
+from ..attention.dispatch import ObservedCall
+from ..probe.attention import ProbeAttentionStats, measure_attention
 from ..probe.survival import SurvivalStats, delta_survival
-from .attention_glue import OVERRIDE_KEY, POSITIONAL_NAMES, get_attention_config
+from .attention_glue import OVERRIDE_KEY, PrecisionAttentionOverride
 from .lora_glue import LoRAForward
 
 log = logging.getLogger(__name__)
@@ -29,53 +31,36 @@ _PREFIX = "diffusion_model."
 
 @dataclass
 class ProbeResult:
-    """What one probe forward measured. ``output``: the model's denoised prediction (B, C, …)."""
+    """What one probe forward measured. ``output``: the model's denoised prediction (B, C, …).
+    ``scale``/``base_scale``: the softmax scale of the last attention call and the model's own scale
+    there (0.0 / 0.0 when no attention call was seen)."""
 
     output: torch.Tensor
     sigma: float
     attention_cfg: AttentionConfig
     head_dim: int
+    scale: float = 0.0
+    base_scale: float = 0.0
     lora: dict[str, SurvivalStats] = field(default_factory=dict)
     attention: dict[str, ProbeAttentionStats] = field(default_factory=dict)
     weight_patches: int = 0  # ComfyUI weight patches (merged LoRAs): not measurable as adapters
 
 
-class ProbeAttentionOverride:
-    """Measures every attention call, then runs it exactly as the model would have (``inner`` or ``func``)."""
+class ProbeRecorder:
+    """Measures every attention call the dispatcher hands it, labelled in call order."""
 
-    def __init__(self, inner: Callable[..., torch.Tensor] | None, cfg: AttentionConfig, max_rows: int) -> None:
-        self.inner, self.cfg, self.max_rows = inner, cfg, max_rows
+    def __init__(self, softclamp: float, max_rows: int) -> None:
+        self.softclamp, self.max_rows = softclamp, max_rows
         self.layers: dict[str, ProbeAttentionStats] = {}
-        self.head_dim = 0
+        self.head_dim, self.scale, self.base = 0, 0.0, 0.0  # of the last call
 
-    def __deepcopy__(self, memo: dict) -> ProbeAttentionOverride:
-        return self
-
-    def __call__(self, func, q, k, v, heads, *rest: Any, **kwargs: Any) -> torch.Tensor:
-        self._measure(q, k, v, heads, rest, kwargs)
-        if self.inner is not None:
-            return self.inner(func, q, k, v, heads, *rest, **kwargs)
-        return func(q, k, v, heads, *rest, **kwargs)
-
-    def _measure(self, q, k, v, heads: int, rest: tuple, kwargs: dict) -> None:
-        named = dict(zip(POSITIONAL_NAMES, rest))
-        named.update({n: kwargs[n] for n in POSITIONAL_NAMES if n in kwargs})
-        if named.get("skip_reshape", False):
-            layout, qs, ks, vs = "bhld", q, k, v
-        else:  # (B, L, H·D) → (B, L, H, D); reshape, since some models pass non-contiguous q/k/v
-            layout = "blhd"
-            qs, ks, vs = (t.reshape(t.shape[0], t.shape[1], heads, t.shape[2] // heads) for t in (q, k, v))
-        head_dim = qs.shape[-1]
-        self.head_dim = head_dim
-        stats = measure_attention(qs, ks, vs, scale=self.cfg.resolve_scale(head_dim), mask=named.get("mask"),
-                                  layout=layout, softclamp=self.cfg.softclamp, max_rows=self.max_rows)
-        self.layers[self._label(kwargs.get("transformer_options") or {})] = stats
-
-    def _label(self, options: dict) -> str:
-        index = len(self.layers)
-        if "block_type" in options and "block_index" in options:
-            return f"{index:02d} {options['block_type']}.{options['block_index']}"
-        return f"{index:02d} attn"
+    def __call__(self, call: ObservedCall) -> None:
+        self.head_dim, self.scale, self.base = call.q.shape[-1], call.scale, call.base
+        # The dispatcher's label is "double.3" for a named block, else "call.N" (the order, shown anyway).
+        name = "attn" if call.layer.startswith("call") else call.layer
+        self.layers[f"{len(self.layers):02d} {name}"] = measure_attention(
+            call.q, call.k, call.v, scale=call.scale, mask=call.mask, layout=call.layout,
+            softclamp=self.softclamp, max_rows=self.max_rows)
 
 
 def lora_layers(model) -> dict[str, tuple]:
@@ -125,7 +110,16 @@ def model_forward(model, latent: dict, conditioning: list, noise_level: float, s
     return out, sigma
 
 
-def _options_with(model, override: ProbeAttentionOverride) -> dict:
+def _around(foreign: Callable[..., torch.Tensor], twin: PrecisionAttentionOverride) -> Callable[..., torch.Tensor]:
+    """Another pack's override keeps running the calls: the twin observes each one, then runs ``foreign``
+    (bound to ComfyUI's function) as its host function."""
+    def override(func: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        return twin(functools.partial(foreign, func), *args, **kwargs)
+
+    return override
+
+
+def _options_with(model, override: Callable[..., torch.Tensor]) -> dict:
     options = copy.copy(model.model_options)
     transformer = dict(options.get("transformer_options", {}))
     transformer[OVERRIDE_KEY] = override
@@ -149,9 +143,12 @@ def _capture_inputs(model, paths, max_rows: int) -> tuple[dict[str, torch.Tensor
 def probe_model(model, latent: dict, conditioning: list, noise_level: float = 0.5, seed: int = 0,
                 max_rows: int = 256) -> ProbeResult:
     """Run one instrumented forward and measure LoRA survival per adapted layer and attention per call."""
-    cfg = get_attention_config(model) or AttentionConfig()
     inner = model.model_options.get("transformer_options", {}).get(OVERRIDE_KEY)
-    override = ProbeAttentionOverride(inner, cfg, max_rows)
+    ours = inner if isinstance(inner, PrecisionAttentionOverride) else PrecisionAttentionOverride(AttentionConfig())
+    recorder = ProbeRecorder(ours.cfg.softclamp, max_rows)
+    override = ours.observed_by(recorder)
+    if inner is not None and inner is not ours:
+        override = _around(inner, override)
     adapted = lora_layers(model)
     inputs, handles = _capture_inputs(model, adapted, max_rows)
     try:
@@ -167,10 +164,6 @@ def probe_model(model, latent: dict, conditioning: list, noise_level: float = 0.
             lora[path] = delta_survival(inputs[path], m.weight, m.bias, adapters)
         else:
             log.warning("[Precision LoRA] PrecisionProbe: LoRA layer %s was not called in the forward", path)
-    head_dim = override.head_dim or 0
-    return ProbeResult(output=output, sigma=sigma, attention_cfg=cfg, head_dim=head_dim, lora=lora,
-                       attention=override.layers, weight_patches=len(getattr(model, "patches", {})))
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if head_dim else 0.0
+    return ProbeResult(output=output, sigma=sigma, attention_cfg=ours.cfg, head_dim=recorder.head_dim,
+                       scale=recorder.scale, base_scale=recorder.base, lora=lora, attention=recorder.layers,
+                       weight_patches=len(getattr(model, "patches", {})))

@@ -1,7 +1,7 @@
 """Plain-text report and verdict of the precision probe (pure: plain numbers in, strings out).
 
 Inputs: per LoRA layer a ``SurvivalStats`` (probe.survival); per attention layer the dict of
-``ProbeAttentionStats.as_dict()`` (attention.probe_stats); the attention settings as
+``ProbeAttentionStats.as_dict()`` (probe.attention); the attention settings as
 ``{"backend", "scale", "multiplier", "softclamp"}``. Thresholds are named constants so tests and docs
 can refer to them.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..attention.config import SOFTCLAMP_SAFETY
 from .survival import PATHS, SurvivalStats, summarize
 
 MERGE_OK_GAIN = 0.95          # a path keeping >= 95 % of the LoRA's effect is called harmless
 TIE_ROWS_WARN = 0.01          # >= 1 % of rows with two bf16(P̄) == 1: the stable fix has something to do
 BIAS_GAIN = 0.05             # the stable shift must cut |bias/MAE| by at least this to be recommended
 SATURATED_ENTROPY = 0.2       # entropy / ln(keys) below this: near one-hot attention
-SOFTCLAMP_SAFETY = 10.0       # softclamp should be >= 10x the max logit (PRECISION.md §5)
 
 
 def attention_summary(layers: Mapping[str, Mapping[str, float]]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""How much of a LoRA's signal survives bf16, measured on one linear layer (PRECISION.md §1).
+"""How much of a LoRA's signal survives bf16, measured on one linear layer.
 
 For a layer ``y = x Wᵀ + b`` with a LoRA delta ``ΔW`` (scale and multiplier included), the intended
 output change is ``ideal = x ΔWᵀ`` (fp64). Each path below produces a bf16 output; its realised change is

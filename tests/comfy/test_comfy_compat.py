@@ -172,11 +172,11 @@ def test_every_global_is_restored_after_training(mods, ending):
 
 def test_model_scale_kwarg_is_the_base_of_relative_scales(mods):
     """0.33 passes a model's own base scale as ``scale``: a multiplier multiplies it, absolute replaces it."""
-    override = mods.aglue.PrecisionAttentionOverride(mods.AttentionConfig(scale_mode="multiplier", scale_value=2.0))
-    assert override.target_scale(64, None) == pytest.approx(2 / 8)
-    assert override.target_scale(64, 1.0) == pytest.approx(2.0)
-    absolute = mods.aglue.PrecisionAttentionOverride(mods.AttentionConfig(scale_mode="absolute", scale_value=0.3))
-    assert absolute.target_scale(64, 1.0) == pytest.approx(0.3)
+    multiplier = mods.AttentionConfig(scale_mode="multiplier", scale_value=2.0)
+    assert multiplier.resolve_scale(64, None) == pytest.approx(2 / 8)
+    assert multiplier.resolve_scale(64, 1.0) == pytest.approx(2.0)
+    absolute = mods.AttentionConfig(scale_mode="absolute", scale_value=0.3)
+    assert absolute.resolve_scale(64, 1.0) == pytest.approx(0.3)
 
     def stock(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kw):
         s = kw.get("scale", q.shape[-1] ** -0.5)
@@ -215,8 +215,10 @@ def test_new_backends_without_backward_are_classified(mods):
         assert not mods.compat.has_backward(func)
         ov = mods.aglue.PrecisionAttentionOverride(mods.AttentionConfig(scale_mode="multiplier", scale_value=2.0))
         q = torch.randn(1, 2, 4, 8, requires_grad=True)
+        host = mods.aglue._host(func, 2, (), {}, {}, "bhld")
+        assert not host.trainable
         with torch.enable_grad():
-            assert ov._auto_needs_fallback(func, q, q, q)
+            assert ov.dispatcher.kernel_for(q, q, q, None, host).name == "sdpa"
     import comfy.ldm.modules.attention as attention
 
     assert mods.compat.has_backward(attention.attention_pytorch)

@@ -42,7 +42,7 @@ def test_run_applies_the_resolved_scale(backend, layout):
 
 def test_scale_query_equals_scaled_attention():
     q, k, v = _qkv(torch.float64)
-    folded = reference_attention(scale_query(q, 0.3, 8), k, v, scale=1 / math.sqrt(8))
+    folded = reference_attention(scale_query(q, 0.3, 1 / math.sqrt(8)), k, v, scale=1 / math.sqrt(8))
     direct = reference_attention(q, k, v, scale=0.3)
     assert (folded - direct).abs().max().item() < 1e-12
 

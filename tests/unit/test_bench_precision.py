@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from attention.probe_stats import entropy_ratio_dense, measure_attention
 from attention.stats import measure_call
 from lora.config import LoRAConfig
 from lora.layer import LoRAAdapter
+from probe.attention import measure_attention
 from probe.survival import delta_survival, summarize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +73,7 @@ def test_measure_attention_matches_stats_module_and_direct_softmax():
     assert got.bf16_one_rows == ref.bf16_one_rows >= 8 and got.shift_rows == ref.shift_rows
     p = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * scale, dim=-1)
     assert got.max_prob == pytest.approx(float(p.max()), rel=1e-6)
-    assert entropy_ratio_dense(torch.zeros(3, 10)).tolist() == pytest.approx([1.0, 1.0, 1.0])
+    assert load_bench("precision").entropy_ratio_dense(torch.zeros(3, 10)).tolist() == pytest.approx([1.0, 1.0, 1.0])
 
 
 def test_precision_bench_quick_reproduces_the_claims(capsys):
