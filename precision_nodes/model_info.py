@@ -10,9 +10,9 @@ ComfyUI's folder list and server. ComfyUI is imported only inside the functions 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
+from ..attention.config import default_scale
 from .file_names import FileRoute, QueryRefused
 
 MODEL_ROUTE = "/precision_lora/model/info"
@@ -43,7 +43,7 @@ class ModelInfo:
 
     @property
     def default_scale(self) -> float | None:
-        return None if not self.head_dim else 1.0 / math.sqrt(self.head_dim)
+        return None if not self.head_dim else default_scale(self.head_dim)
 
     def describe(self) -> str:
         scale = "unknown" if self.default_scale is None else f"{self.default_scale:.6g}"
@@ -126,7 +126,7 @@ def describe_file(path: str) -> dict[str, object]:
         "family": FAMILY_BY_CONFIG.get(config_name, config_name),
         "heads": heads,
         "head_dim": head_dim,
-        "default_scale": (1.0 / math.sqrt(head_dim)) if head_dim else None,
+        "default_scale": default_scale(head_dim) if head_dim else None,
     }
 
 
