@@ -256,9 +256,9 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
         prompt = with_overrides(prompt, steps, resume_name)
         targets = training_targets(prompt, writers=main)
         prompt_id = str(uuid.uuid4())
-        valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, targets))
-        if not valid[0]:
-            return RunResult(False, _validation_text(valid))
+        problem = _validate(execution, prompt_id, prompt, training_targets(prompt))  # the same on every rank
+        if problem:
+            return RunResult(False, problem)
         if parallel is not None:
             say(f"data parallel: {parallel.world} processes, rank 0 writes the files")
         say(f"running nodes {', '.join(targets)} of {len(prompt)} ({', '.join(prompt[t]['class_type'] for t in targets)})")
@@ -281,6 +281,32 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
     finally:
         if parallel is not None:
             distributed.deactivate()
+
+
+def _validate(execution, prompt_id: str, prompt: dict, targets: list[str]) -> str | None:
+    """ComfyUI's own validation of what will run; the error text, or None. ComfyUI validates a prompt by
+    its output nodes (the writers); the train nodes are validated one by one as well, so a training part
+    without a writer is checked too."""
+    import nodes
+
+    needed = set(targets).union(*(_ancestors(prompt, t) for t in targets))
+    missing = sorted((i for i in needed if prompt[i]["class_type"] not in nodes.NODE_CLASS_MAPPINGS), key=_order)
+    if missing:
+        return ("the workflow uses nodes this ComfyUI does not have: "
+                + ", ".join(f"node {i} ({prompt[i]['class_type']})" for i in missing)
+                + "; install the custom nodes that provide them (or leave out --only-this-pack)")
+    trains = train_nodes(prompt)
+    if any(t not in trains for t in targets):
+        valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, targets))
+        if not valid[0]:
+            return _validation_text(valid)
+    validated: dict = {}
+    for node_id in trains:
+        ok, errors, _ = asyncio.run(execution.validate_inputs(prompt_id, prompt, node_id, validated))
+        if not ok:
+            return _validation_text((False, {"message": f"node {node_id} has invalid inputs"}, [],
+                                     {node_id: {"errors": errors, "class_type": prompt[node_id]["class_type"]}}))
+    return None
 
 
 def _validation_text(valid: tuple) -> str:
