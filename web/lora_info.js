@@ -2,6 +2,7 @@
 // the chosen file, from the read-only GET /precision_lora/lora/metadata route.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { addPanel, chain, findWidget, panelDiv } from "./lib/hooks.js";
 import { errorText, hasAttentionSettings, metadataUrl, summaryRows } from "./lib/lora_meta.js";
 
 const NODE_TYPE = "PrecisionLoadLoRA";
@@ -33,8 +34,7 @@ function renderRows(panel, response) {
 }
 
 async function refresh(node, view) {
-  const widget = node.widgets?.find((w) => w.name === LORA_WIDGET);
-  const name = widget?.value;
+  const name = findWidget(node, LORA_WIDGET)?.value;
   const ticket = ++view.ticket;
   if (typeof name !== "string" || !name) {
     view.panel.textContent = "choose a LoRA file";
@@ -69,31 +69,13 @@ async function refresh(node, view) {
 }
 
 function attachPanel(node) {
-  if (node.widgets?.some((w) => w.name === PANEL_WIDGET)) return;
-  const panel = document.createElement("div");
-  panel.className = "precision-lora-info";
-  Object.assign(panel.style, { fontSize: "11px", fontFamily: "sans-serif", color: "var(--input-text, #ddd)",
-    overflow: "hidden" });
-  const widget = node.addDOMWidget(PANEL_WIDGET, "precision_lora_info", panel, {
-    serialize: false,
-    hideOnZoom: false,
-    getMinHeight: () => 120,
-    getMaxHeight: () => 150,
-  });
-  widget.serialize = false;
+  const panel = panelDiv("precision-lora-info", { overflow: "hidden" });
+  if (!addPanel(node, PANEL_WIDGET, panel, { minHeight: 120, maxHeight: 150 })) return;
   const view = { panel, ticket: 0 };
   node.precisionLoraInfo = view;
-  const combo = node.widgets?.find((w) => w.name === LORA_WIDGET);
-  if (combo) {
-    const origCallback = combo.callback;
-    combo.callback = function () {
-      const r = origCallback?.apply(this, arguments);
-      refresh(node, view);
-      return r;
-    };
-  } else {
-    console.warn(`${LOG} ${NODE_TYPE} has no '${LORA_WIDGET}' widget; metadata panel disabled`);
-  }
+  const combo = findWidget(node, LORA_WIDGET);
+  if (combo) chain(combo, "callback", () => refresh(node, view));
+  else console.warn(`${LOG} ${NODE_TYPE} has no '${LORA_WIDGET}' widget; metadata panel disabled`);
   refresh(node, view);
 }
 
@@ -101,17 +83,11 @@ app.registerExtension({
   name: "precision_lora.lora_info",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData?.name !== NODE_TYPE) return;
-    const origCreated = nodeType.prototype.onNodeCreated;
-    nodeType.prototype.onNodeCreated = function () {
-      const r = origCreated?.apply(this, arguments);
+    chain(nodeType.prototype, "onNodeCreated", function () {
       attachPanel(this);
-      return r;
-    };
-    const origConfigure = nodeType.prototype.onConfigure;
-    nodeType.prototype.onConfigure = function () {
-      const r = origConfigure?.apply(this, arguments);
+    });
+    chain(nodeType.prototype, "onConfigure", function () {
       if (this.precisionLoraInfo) refresh(this, this.precisionLoraInfo); // saved widget values are in now
-      return r;
-    };
+    });
   },
 });

@@ -1,8 +1,9 @@
 // Resolved softmax scale on PrecisionPatchAttention for the head_dim of the connected model.
 // The head_dim comes from GET /precision_lora/model/info for the PrecisionLoadDiffusionModel found
-// upstream of the node's `model` input; after a run, the head_dim the node reports (if any) wins.
+// upstream of the node's `model` input.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { addPanel, chain, findWidget, panelDiv } from "./lib/hooks.js";
 import { scaleText } from "./lib/scale.js";
 
 const NODE_TYPE = "PrecisionPatchAttention";
@@ -13,10 +14,6 @@ const LOG = "[Precision LoRA]";
 const MAX_HOPS = 32;
 
 const infoCache = new Map(); // model file name -> Promise<{head_dim, family} | {error}>
-
-function widgetValue(node, name) {
-  return node.widgets?.find((w) => w.name === name)?.value;
-}
 
 /** The loader that feeds `node`'s MODEL input, following MODEL -> MODEL nodes upstream. */
 export function upstreamLoader(node) {
@@ -50,22 +47,20 @@ async function update(node) {
   const view = node.precisionScale;
   if (!view) return;
   const ticket = ++view.ticket;
-  const mode = widgetValue(node, "scale_mode");
-  const value = widgetValue(node, "scale_value");
-  let headDim = view.reportedHeadDim ?? null;
-  let source = headDim !== null ? "from the last run" : "";
-  if (headDim === null) {
-    const loader = upstreamLoader(node);
-    const name = loader && widgetValue(loader, "model_name");
-    if (typeof name === "string" && name) {
-      const info = await fetchInfo(name);
-      if (ticket !== view.ticket) return;
-      if (info && Number.isInteger(info.head_dim)) {
-        headDim = info.head_dim;
-        source = `${info.family ?? "model"} ${name}`;
-      } else if (info?.error) {
-        source = info.error;
-      }
+  const mode = findWidget(node, "scale_mode")?.value;
+  const value = findWidget(node, "scale_value")?.value;
+  let headDim = null;
+  let source = "";
+  const loader = upstreamLoader(node);
+  const name = loader && findWidget(loader, "model_name")?.value;
+  if (typeof name === "string" && name) {
+    const info = await fetchInfo(name);
+    if (ticket !== view.ticket) return;
+    if (info && Number.isInteger(info.head_dim)) {
+      headDim = info.head_dim;
+      source = `${info.family ?? "model"} ${name}`;
+    } else if (info?.error) {
+      source = info.error;
     }
   }
   view.el.textContent = scaleText(mode, value, headDim) + (source ? `\n${source}` : "");
@@ -74,31 +69,13 @@ async function update(node) {
 }
 
 function attach(node) {
-  if (node.precisionScale) return;
-  const el = document.createElement("div");
-  el.className = "precision-lora-scale";
-  Object.assign(el.style, { fontSize: "11px", fontFamily: "sans-serif", whiteSpace: "pre-wrap",
-    color: "var(--input-text, #ddd)", opacity: "0.85", overflow: "hidden" });
-  const widget = node.addDOMWidget(TEXT_WIDGET, "precision_resolved_scale", el, {
-    serialize: false,
-    hideOnZoom: false,
-    getMinHeight: () => 36,
-    getMaxHeight: () => 48,
-  });
-  widget.serialize = false;
-  node.precisionScale = { el, ticket: 0, reportedHeadDim: null };
+  const el = panelDiv("precision-lora-scale", { whiteSpace: "pre-wrap", opacity: "0.85", overflow: "hidden" });
+  if (!addPanel(node, TEXT_WIDGET, el, { minHeight: 36, maxHeight: 48 })) return;
+  node.precisionScale = { el, ticket: 0 };
   for (const name of ["scale_mode", "scale_value"]) {
-    const w = node.widgets?.find((x) => x.name === name);
-    if (!w) {
-      console.warn(`${LOG} ${NODE_TYPE} has no '${name}' widget; resolved scale shows defaults`);
-      continue;
-    }
-    const orig = w.callback;
-    w.callback = function () {
-      const r = orig?.apply(this, arguments);
-      update(node);
-      return r;
-    };
+    const w = findWidget(node, name);
+    if (w) chain(w, "callback", () => update(node));
+    else console.warn(`${LOG} ${NODE_TYPE} has no '${name}' widget; resolved scale shows defaults`);
   }
   update(node);
 }
@@ -113,37 +90,16 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData?.name !== NODE_TYPE) return;
-    const origCreated = nodeType.prototype.onNodeCreated;
-    nodeType.prototype.onNodeCreated = function () {
-      const r = origCreated?.apply(this, arguments);
+    const proto = nodeType.prototype;
+    chain(proto, "onNodeCreated", function () {
       attach(this);
-      return r;
-    };
-    const origConnections = nodeType.prototype.onConnectionsChange;
-    nodeType.prototype.onConnectionsChange = function () {
-      const r = origConnections?.apply(this, arguments);
-      if (this.precisionScale) {
-        this.precisionScale.reportedHeadDim = null;
-        update(this);
-      }
-      return r;
-    };
-    const origConfigure = nodeType.prototype.onConfigure;
-    nodeType.prototype.onConfigure = function () {
-      const r = origConfigure?.apply(this, arguments);
+    });
+    chain(proto, "onConnectionsChange", function () {
+      if (this.precisionScale) update(this);
+    });
+    chain(proto, "onConfigure", function () {
       // Links are restored after all nodes are configured: look upstream on the next frame.
       requestAnimationFrame(() => update(this));
-      return r;
-    };
-    const origExecuted = nodeType.prototype.onExecuted;
-    nodeType.prototype.onExecuted = function (output) {
-      const r = origExecuted?.apply(this, arguments);
-      const reported = Number(output?.head_dim?.[0] ?? output?.head_dim);
-      if (this.precisionScale && Number.isInteger(reported) && reported > 0) {
-        this.precisionScale.reportedHeadDim = reported;
-        update(this);
-      }
-      return r;
-    };
+    });
   },
 });

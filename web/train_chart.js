@@ -3,6 +3,7 @@
 // GET /precision_lora/train/history so the chart of a running job comes back.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { addPanel, chain, panelDiv } from "./lib/hooks.js";
 import {
   addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText,
 } from "./lib/series.js";
@@ -147,12 +148,9 @@ function button(label, action, title) {
 }
 
 function attachChart(node) {
-  if (node.widgets?.some((w) => w.name === WIDGET_NAME)) return;
-  const root = document.createElement("div");
-  root.className = "precision-lora-train";
+  const root = panelDiv("precision-lora-train", { display: "flex", flexDirection: "column", gap: "4px" });
+  if (!addPanel(node, WIDGET_NAME, root, { minHeight: CHART_HEIGHT + 70, maxHeight: CHART_HEIGHT + 90 })) return;
   root.dataset.nodeId = String(node.id);
-  Object.assign(root.style, { display: "flex", flexDirection: "column", gap: "4px", fontSize: "11px",
-    color: "var(--input-text, #ddd)", fontFamily: "sans-serif" });
   const canvas = document.createElement("canvas");
   canvas.dataset.precisionChart = "loss";
   canvas.dataset.points = "0";
@@ -172,14 +170,6 @@ function attachChart(node) {
   const view = { node, root, canvas, status, message, pending: false };
   stop.addEventListener("click", () => sendControl(node, "stop", view));
   ckpt.addEventListener("click", () => sendControl(node, "checkpoint", view));
-
-  const widget = node.addDOMWidget(WIDGET_NAME, "precision_loss_chart", root, {
-    serialize: false,
-    hideOnZoom: false,
-    getMinHeight: () => CHART_HEIGHT + 70,
-    getMaxHeight: () => CHART_HEIGHT + 90,
-  });
-  widget.serialize = false; // keeps widgets_values identical to the schema's widgets
   node.precisionChart = view;
   renderView(view); // on the next frame, when the node has its id
 }
@@ -227,17 +217,11 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData?.name !== NODE_TYPE) return;
-    const origCreated = nodeType.prototype.onNodeCreated;
-    nodeType.prototype.onNodeCreated = function () {
-      const r = origCreated?.apply(this, arguments);
+    chain(nodeType.prototype, "onNodeCreated", function () {
       attachChart(this);
-      return r;
-    };
-    const origConfigure = nodeType.prototype.onConfigure;
-    nodeType.prototype.onConfigure = function () {
-      const r = origConfigure?.apply(this, arguments);
+    });
+    chain(nodeType.prototype, "onConfigure", function () {
       if (this.precisionChart) renderView(this.precisionChart); // the saved id is in now
-      return r;
-    };
+    });
   },
 });

@@ -16,9 +16,10 @@ def test_extensions_register_once_and_log_no_errors(comfy_page):
     # ComfyUI lists every .js under web/ (lib modules included) for the page to import.
     listed = comfy_page.evaluate("async () => (await (await fetch('/extensions')).json())"
                                  ".filter((n) => n.includes('/extensions/comfyui-precision-lora/'))")
-    for f in ("train_chart.js", "lora_info.js", "scale_display.js", "seed_default.js", "lib/series.js",
-              "lib/lora_meta.js", "lib/scale.js"):
+    shipped = ("train_chart.js", "lora_info.js", "scale_display.js", "seed_default.js", "lib/series.js",
+               "lib/lora_meta.js", "lib/scale.js", "lib/hooks.js")
+    for f in shipped:
         assert any(s.endswith("/" + f) for s in listed), (f, listed)
-    assert len(listed) == 7, f"only shipped modules belong under web/: {listed}"
+    assert len(listed) == len(shipped), f"only shipped modules belong under web/: {listed}"
     assert comfy_page.pack_errors() == []
     comfy_page.screenshot("00_page_loaded")
