@@ -75,7 +75,7 @@ def _settings_inputs() -> list:
         _combo("target", list(sampling.TARGETS), "Regression target: " + "; ".join(f"{k}: {v}" for k, v in sampling.TARGETS.items())),
         _float("dop_multiplier", 0.0, 100.0, 0.01, "DOP: weight of mse(pred with LoRA, pred without LoRA) on the class conditioning (0 = off)."),
         _int("dop_every_n", 1, 1000, "DOP every n optimizer steps (amortises its two extra forwards)."),
-        _int("checkpoint_every", 0, 1000000, "Write a checkpoint every N optimizer steps into output/precision_lora/checkpoints (0 = only on stop/cancel)."),
+        _int("checkpoint_every", 0, 1000000, "Write a checkpoint every N optimizer steps into models/loras/<name>/ (0 = only on stop/cancel)."),
         _combo("nan_policy", list(NAN_POLICIES), "; ".join(f"{k}: {v}" for k, v in NAN_POLICIES.items())),
         _int("nan_patience", 1, 100, "Non-finite steps in a row before rollback / stop."),
         io.Boolean.Input("gradient_checkpointing", default=DEFAULTS.gradient_checkpointing,
@@ -178,7 +178,7 @@ def _flat(value: Any, default: Any = None) -> Any:
 
 class PrecisionTrainLoRA(PrecisionNode):
     NODE = "PrecisionTrainLoRA"
-    FILE_NAME_INPUTS = {"name": (False, False), "resume_from": (False, True)}
+    FILE_NAME_INPUTS = {"name": (False, False), "resume_from": (True, True)}
 
     @classmethod
     def fingerprint_inputs(cls, **_: Any) -> int:
@@ -212,12 +212,12 @@ class PrecisionTrainLoRA(PrecisionNode):
                 io.Int.Input("steps", default=100, min=1, max=1000000, step=1, tooltip="Optimizer steps this node runs (> 0)."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, step=1,
                              tooltip="Seeds data order, timesteps and noise for a new run; a continued run keeps the state's generator."),
-                io.String.Input("name", default="precision_lora", tooltip="File-name prefix of checkpoints in output/precision_lora/checkpoints."),
+                io.String.Input("name", default="precision_lora", tooltip="Run name: checkpoints are written as models/loras/<name>/<name>_step<N>.safetensors (every LoRA loader lists them) with <name>_step<N>.state.pt beside them."),
                 TrainSettingsType.Input("settings", optional=True, tooltip="From PrecisionTrainSettings; defaults when not connected."),
                 io.Conditioning.Input("class_conditioning", optional=True, tooltip="Class prompt (without trigger) for DOP."),
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
                 io.String.Input("resume_from", default="", optional=True,
-                                tooltip="Checkpoint file name in output/precision_lora/checkpoints to resume from (empty = none)."),
+                                tooltip="Checkpoint to resume from, as LoRA loaders list it (e.g. my_run/my_run_step000100.safetensors); plain names in output/precision_lora/checkpoints still work (empty = none)."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The model with the trained LoRA active."),

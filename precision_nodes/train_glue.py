@@ -23,15 +23,15 @@ import torch
 import comfy.model_management as mm
 import comfy.model_sampling as cms
 
-from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIX, TrainingState, state_path_for, write_checkpoint
+from ..training.checkpoint import TrainingState, write_checkpoint
 from ..training.grad import autograd_enabled, checkpoint_blocks, clone_saved_tensors, find_block_lists
 from ..training.guard import assert_finite
 from ..lora.layer import LoRASet
 from ..lora.file import default_key_style, lora_state_dict, save_lora_file
 from ..training.loop import ModelFns
 from ..training.settings import TrainSettings
+from . import checkpoint_files
 from .comfy_compat import model_gradients
-from .file_names import inside, name_problem
 from .lora_glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
 from .model_info import describe_model
 
@@ -221,55 +221,36 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
         _unload(model)
 
 
-# ---- checkpoint files in the output folder ----
+# ---- checkpoint files (where: checkpoint_files) ----
 
-CHECKPOINT_SUBDIR = ("precision_lora", "checkpoints")
+CHECKPOINT_SUBDIR = checkpoint_files.LEGACY_SUBDIR
 
 
 def checkpoint_dir() -> str:
-    import folder_paths
-
-    return os.path.join(folder_paths.get_output_directory(), *CHECKPOINT_SUBDIR)
-
-
-def _free_base(folder: str, stem: str) -> str:
-    base, n = os.path.join(folder, stem), 1
-    while os.path.exists(base + LORA_SUFFIX) or os.path.exists(base + STATE_SUFFIX):
-        base, n = os.path.join(folder, f"{stem}_{n}"), n + 1
-    return base
+    """The old checkpoint folder ``output/precision_lora/checkpoints``: PrecisionSaveLoRA's states, and
+    checkpoints of earlier versions, which ``resume_from`` still finds."""
+    return checkpoint_files.legacy_dir()
 
 
 def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[TrainingState, str], str]:
-    """``save_checkpoint`` hook: ``<output>/precision_lora/checkpoints/<name>_s<step>.{state.pt,safetensors}``.
+    """``save_checkpoint`` hook: ``<loras>/<name>/<name>_step<step>.{state.pt,safetensors}`` (``checkpoint_files``).
 
     The LoRA file has the ``PrecisionSaveLoRA`` keys and metadata (plus the step and the reason)."""
     family = describe_model(model).family
 
     def save(state: TrainingState, reason: str) -> str:
-        folder = checkpoint_dir()
-
         def write_lora(path: str) -> str:
             tensors = lora_state_dict(lora_set, default_key_style(family), "fp32")
             assert_finite(tensors, f"LoRA checkpoint {os.path.basename(path)}")
             md = build_lora_metadata(model, lora_set, {"ss_steps": state.step, "precision_lora_checkpoint": reason})
             return save_lora_file(path, tensors, md)
 
-        return write_checkpoint(_free_base(folder, f"{name}_s{state.step:06d}"), state, write_lora)
+        return write_checkpoint(checkpoint_files.checkpoint_base(name, state.step), state, write_lora)
 
     return save
 
 
 def resolve_resume(name: str) -> str:
-    """Path of the state file for ``name`` (a checkpoint's LoRA or state file name inside the checkpoint
-    folder). ValueError for names outside that folder or missing files."""
-    folder = os.path.realpath(checkpoint_dir())
-    reason = name_problem(name, subfolders=False)
-    if reason:
-        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} {reason}")
-    path = os.path.realpath(os.path.join(folder, state_path_for(name)))
-    if not inside(folder, path):
-        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r} leaves {folder}")
-    if not os.path.isfile(path):
-        raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: input 'resume_from'={name!r}: no checkpoint state "
-                         f"{os.path.basename(path)} in {folder}; use a name listed there or leave it empty")
-    return path
+    """Path of the state file for ``name`` (a checkpoint as the LoRA loaders list it, or a file name in the
+    old checkpoint folder). ValueError for names outside those folders or missing files."""
+    return checkpoint_files.resolve_resume(name)

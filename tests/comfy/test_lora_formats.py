@@ -78,8 +78,12 @@ def test_module_names_equal_stock_comfyui_key_map(family, formats):
     model = base_model(family)
     ours = {n: (t.path, t.rows, t.swap_halves) for n, t in formats.module_names(linears(model)).items()}
     stock = stock_targets(model)
-    assert ours == stock, (sorted(set(stock) - set(ours))[:5], sorted(set(ours) - set(stock))[:5],
-                           [n for n in ours if n in stock and ours[n] != stock[n]][:5])
+    assert not set(stock) - set(ours), sorted(set(stock) - set(ours))[:5]
+    assert not [n for n in stock if ours[n] != stock[n]], [(n, ours[n], stock[n]) for n in stock if ours[n] != stock[n]][:5]
+    import comfy.model_base
+
+    if hasattr(comfy.model_base, "Anima"):  # ComfyUI 0.33: the same names; 0.3.75 knows fewer Flux spellings
+        assert set(ours) == set(stock), sorted(set(ours) - set(stock))[:5]
     if family.startswith("flux"):  # the split q/k/v rows ComfyUI patches in the fused layer
         assert stock["transformer.transformer_blocks.0.attn.to_k"][1] is not None
 
@@ -94,6 +98,8 @@ def module_sources(model, fmt: str) -> dict[str, tuple[str, tuple[int, int] | No
         names = [n for n in stock if n.startswith(prefix) and not n.endswith("_qkv")]
     else:
         names = [n for n in stock if n.startswith(prefix)]
+    if not names:
+        pytest.skip(f"this ComfyUI loads no {fmt} names")
     seen, out = set(), {}
     for n in sorted(names):
         path, rows, _swap = stock[n]

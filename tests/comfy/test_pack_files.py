@@ -36,8 +36,9 @@ def test_start_up_sweep_removes_partials_of_dead_writers_in_the_pack_folders(pac
     proc.wait()
     deep = os.path.join(folder_paths.get_folder_paths("loras")[0], "sub", "deeper")
     ckpt = os.path.join(folder_paths.get_output_directory(), "precision_lora", "checkpoints")
+    run = pack_module("precision_nodes.checkpoint_files").run_folder("sweep_run")  # where checkpoints land now
     stale, live = [], []
-    for folder in (deep, ckpt):
+    for folder in (deep, ckpt, run):
         os.makedirs(folder, exist_ok=True)
         stale.append(os.path.join(folder, f".precision_lora_{proc.pid}_00ff.partial"))
         live.append(os.path.join(folder, f".precision_lora_{os.getpid()}_00ff.partial"))

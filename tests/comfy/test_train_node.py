@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
+from models import denoise, make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 
 FAMILIES = {"cosmos": tiny_cosmos, "flux1": tiny_flux1}
 
@@ -40,13 +40,20 @@ def _setup(mods, family: str, rank: int = 4):
     return model, with_lora, make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)
 
 
-def _run(mods, model, latent, cond, steps: int, settings=None, **kw):
+def _run(mods, model, latent, cond, steps: int, settings=None, name: str = "test", **kw):
     args = {"settings": [settings or mods.Settings(learning_rate=1e-3)]}
     for key, value in kw.items():
         args[key] = [value]
     with torch.inference_mode():
-        out = mods.train.PrecisionTrainLoRA.execute([model], [latent], [cond], [steps], [0], ["test"], **args)
+        out = mods.train.PrecisionTrainLoRA.execute([model], [latent], [cond], [steps], [0], [name], **args)
     return out.result
+
+
+def run_folder(name: str) -> str:
+    """Where a run's checkpoints land: models/loras/<name>/ (issue 14 item 8)."""
+    import folder_paths
+
+    return os.path.join(folder_paths.get_folder_paths("loras")[0], name)
 
 
 def _lora_values(model, mods) -> dict[str, torch.Tensor]:
@@ -73,12 +80,39 @@ def test_resume_from_checkpoint_file_continues_identical_losses(mods):
     settings = mods.Settings(learning_rate=1e-3, checkpoint_every=4)
     _run(mods, m, latent, cond, 4, settings=settings)
     job = mods.jobs.current_job()
-    name = f"test_s{job.step:06d}.safetensors"
-    names = sorted(os.listdir(mods.tglue.checkpoint_dir()))
-    newest = [n for n in names if n.startswith("test_s000004") and n.endswith(".safetensors")][-1]
-    _, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=newest)
-    assert name.startswith("test_s000004") and steps == 8
+    assert job.step == 4
+    names = sorted(n for n in os.listdir(run_folder("test")) if n.startswith("test_step000004"))
+    newest = [n for n in names if n.endswith(".safetensors")][-1]
+    assert newest[: -len(".safetensors")] + ".state.pt" in names, "the training state sits beside the LoRA"
+    _, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{newest}")
+    assert steps == 8
     assert losses["loss"] == ref_losses["loss"]
+
+
+def test_checkpoint_is_listed_by_lora_loaders_loads_in_stock_comfyui_and_old_states_resume(mods, caplog):
+    """Issue 14 item 8: checkpoints land in models/loras/<run>/ (listed by folder_paths, loaded by stock
+    LoraLoaderModelOnly with every key); a state in the old output/precision_lora/checkpoints still resumes."""
+    import shutil
+
+    import folder_paths
+    import nodes as comfy_nodes
+
+    _, m, latent, cond = _setup(mods, "flux1")
+    _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
+    trained, _, _, _ = _run(mods, m, latent, cond, 3, name="listed", settings=mods.Settings(learning_rate=1e-3, checkpoint_every=3))
+    listed = [n for n in folder_paths.get_filename_list("loras") if n.startswith("listed/listed_step000003")]
+    lora = [n for n in listed if n.endswith(".safetensors")][-1]
+    with caplog.at_level(logging.WARNING):
+        stock = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(m, lora, 1.0)[0]
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    assert len(stock.patches) == len(mods.glue.get_lora_set(trained).adapters())
+    torch.testing.assert_close(denoise(stock), denoise(trained), rtol=1e-4, atol=1e-4)
+    # An existing user's run: its state in the old folder, resumed by its plain file name.
+    state = folder_paths.get_full_path("loras", lora)[: -len(".safetensors")] + ".state.pt"
+    os.makedirs(mods.tglue.checkpoint_dir(), exist_ok=True)
+    shutil.copy(state, os.path.join(mods.tglue.checkpoint_dir(), "old_place.state.pt"))
+    _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="old_place.safetensors")
+    assert steps == 6 and losses["loss"] == ref_losses["loss"]
 
 
 def test_cancel_writes_a_loadable_checkpoint_before_stopping(mods, pack_module, caplog):
@@ -133,7 +167,7 @@ def test_injected_nan_is_caught_and_nothing_non_finite_is_saved(mods):
         handle.remove()
     assert [p["step"] for p in state.history if p["skipped"]] == [3, 4, 5]
     assert state.rollbacks == 1 and steps == 7 and len(losses["loss"]) == 4
-    folder = mods.tglue.checkpoint_dir()
+    folder = run_folder("test")
     for name in os.listdir(folder):
         if name.endswith(".state.pt"):
             saved = mods.ckpt.load_state(os.path.join(folder, name))
@@ -191,8 +225,8 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
         server.send_sync = original
     done = [d for e, d, _ in server.events if e == "precision_lora.train_done"][-1]
     assert steps == 4 and len(losses["loss"]) == 4 and done["stopped"] is True
-    names = [n for n in os.listdir(mods.tglue.checkpoint_dir()) if n.startswith("test_s00000") and n.endswith(".state.pt")]
-    assert {"test_s000002.state.pt", "test_s000004.state.pt"} <= set(names)
+    names = [n for n in os.listdir(run_folder("test")) if n.startswith("test_step00000") and n.endswith(".state.pt")]
+    assert {"test_step000002.state.pt", "test_step000004.state.pt"} <= set(names)
     job = mods.jobs.current_job()
     assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
 

@@ -213,11 +213,11 @@ def test_stop_and_checkpoint_now_over_http(server):
     done = [e["data"] for e in events if e["type"] == "precision_lora.train_done"][-1]
     assert done["stopped"] is True and 3 <= done["steps"] < 10
     assert events[-1]["type"] == "execution_success"  # a stop ends training; the graph goes on (LoRA saved)
-    folder = server.output_path("precision_lora", "checkpoints")
+    folder = os.path.join(server.base_dir, "models", "loras", "e2e_stop")  # where LoRA loaders list them
     names = os.listdir(folder)
-    assert any(n.startswith("e2e_stop_s000002") or n.startswith("e2e_stop_s000001") for n in names), names
+    assert any(n.startswith("e2e_stop_step000002") or n.startswith("e2e_stop_step000001") for n in names), names
     assert os.path.basename(done["checkpoint"]) in names
-    loras = [n for n in names if n.startswith("e2e_stop_s") and n.endswith(".safetensors")]
+    loras = [n for n in names if n.startswith("e2e_stop_step") and n.endswith(".safetensors")]
     assert len(loras) <= queued + 1, loras  # the requested ones and the one Stop writes; never one per request
 
 
