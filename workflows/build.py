@@ -22,16 +22,57 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 DEMO_MODEL = "precision_tiny_flux1_dev.safetensors"
-DEMO_LORA = "precision_lora/demo_lora.safetensors"  # what train_lora.json saves, what the others load
+DEMO_LORA = "precision_lora/demo_lora.safetensors"  # what train_lora_demo.json saves, what the others load
 
 SWAP_NOTE = (
-    "Demo stand-ins (so this graph runs on the tiny demo model with no text encoder or VAE):\n"
-    "- Demo Latent -> for real training: Load Image -> VAE Encode (your model's VAE), one latent per image,\n"
-    "  or a dataset loader that outputs LATENT.\n"
-    "- Demo Conditioning -> CLIP Text Encode with your model's text encoders (Flux: DualCLIPLoader\n"
-    "  clip_l + t5xxl, type flux), your caption with the trigger word.\n"
-    "- Demo Latent Preview -> VAE Decode with VAE Loader (Flux: ae.safetensors).\n"
-    "- Load Diffusion Model: pick your model file in models/diffusion_models."
+    "Demo graph: Demo Latent, Demo Conditioning and Demo Latent Preview stand in for the VAE and the text\n"
+    "encoders, so it runs on the tiny demo model (precision_tiny_flux1_dev.safetensors, made by\n"
+    "scripts/run.sh) on any machine. It is not a start for real training: for that open train_lora.json\n"
+    "(your images and captions from a folder -> Make Training Dataset with your VAE and text encoders ->\n"
+    "Train LoRA) and, to use the LoRA, inference_matching_scale.json (Empty latent -> KSampler -> VAE Decode)."
+)
+
+# File names the real workflows ship with: the names of the released Flux.1-dev files in ComfyUI's model
+# folders. A user whose files are named otherwise picks them from each loader's list.
+REAL_MODEL = "flux1-dev.safetensors"
+REAL_CLIP_L = "clip_l.safetensors"
+REAL_T5 = "t5xxl_fp16.safetensors"
+REAL_VAE = "ae.safetensors"
+REAL_DATASET = "my_lora_dataset"
+REAL_LORA_PREFIX = "precision_lora/my_lora"
+# Save LoRA's default counter (ComfyUI's _00001_ suffix) names the first run's file this.
+REAL_LORA = REAL_LORA_PREFIX + "_00001_.safetensors"
+
+REAL_TRAIN_NOTE = (
+    "Train a Flux.1-dev LoRA on your own images (real training; for the tiny demo see train_lora_demo.json)\n\n"
+    "To run it, pick names only:\n"
+    "1. Load Diffusion Model (Precision): your Flux.1-dev file in models/diffusion_models (" + REAL_MODEL + ").\n"
+    "2. DualCLIPLoader: clip_l and t5xxl from models/text_encoders (type flux).\n"
+    "3. Load VAE: the Flux.1 VAE from models/vae (" + REAL_VAE + ").\n"
+    "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
+    "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n"
+    "   Make Training Dataset encodes every image with the VAE and every caption with the text encoders:\n"
+    "   one latent and one conditioning per image; images of different sizes train in one run.\n\n"
+    "Then Run. Weights load in the file's own dtype (weight_dtype default); the LoRA trains in fp32.\n"
+    "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
+    "Attach LoRA: rank/alpha/targets. Train Settings: optimizer, lr schedule, timesteps; a checkpoint every\n"
+    "250 steps lands in output/precision_lora/checkpoints. The chart on Train LoRA shows the loss live;\n"
+    "Stop keeps the LoRA so far. Save LoRA writes models/loras/" + REAL_LORA_PREFIX + "_00001_.safetensors\n"
+    "(the counter grows on later runs; it never overwrites) and its training state, so a later Train LoRA\n"
+    "with resume_from continues there. Loss Graph saves the learning curve (PNG + CSV).\n"
+    "Re-running the unchanged graph does not retrain (seeds are fixed); change an input to retrain."
+)
+
+REAL_INFER_NOTE = (
+    "Generate with a trained LoRA exactly as it was trained (for the tiny demo see inference_demo.json)\n\n"
+    "To run it, pick names only: your Flux.1-dev file (Load Diffusion Model), clip_l + t5xxl (DualCLIPLoader,\n"
+    "type flux), the Flux.1 VAE (Load VAE) and the LoRA train_lora.json saved (Load LoRA (Precision):\n"
+    + REAL_LORA + " after its first run). Write your prompt in CLIP Text Encode.\n\n"
+    "Empty SD3 Latent Image gives the empty 16-channel latent Flux samples into (1024 x 1024 here); KSampler\n"
+    "denoises it, VAE Decode turns it into the image, Save Image writes it. Flux.1-dev takes its guidance from\n"
+    "FluxGuidance (cfg stays 1.0, so the zeroed negative is not used).\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
 )
 
 TRAIN_NOTE = (
@@ -58,7 +99,7 @@ INFER_NOTE = (
     "applies them: attention='apply_recorded'. The panel on the node lists rank, alpha, steps, softmax\n"
     "scale, backend and base model of the chosen file. mode='fp32' keeps the LoRA unmerged in fp32\n"
     "(exact); 'merge' folds it into the weights (faster, rounds to the model dtype).\n"
-    "Run train_lora.json first: it writes " + DEMO_LORA + ", which this graph loads."
+    "Run train_lora_demo.json first: it writes " + DEMO_LORA + ", which this graph loads."
 )
 
 PROBE_NOTE = (
@@ -175,10 +216,70 @@ def train_spec() -> dict:
     }
 
 
+def real_train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "PrecisionLoadDiffusionModel", [0, 0], {"model_name": REAL_MODEL, "weight_dtype": "default"},
+                  size=[340, 110]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 450]),
+            _node(4, "PrecisionTrainSettings", [380, 490], {"checkpoint_every": 250}, size=[340, 690]),
+            _node(5, "DualCLIPLoader", [0, 450], {"clip_name1": REAL_CLIP_L, "clip_name2": REAL_T5, "type": "flux"},
+                  size=[340, 130]),
+            _node(6, "VAELoader", [0, 620], {"vae_name": REAL_VAE}, size=[340, 60]),
+            _node(7, "LoadImageTextDataSetFromFolder", [0, 720], {"folder": REAL_DATASET}, size=[340, 80]),
+            _node(8, "MakeTrainingDataset", [0, 840], size=[340, 100]),
+            _node(9, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            _node(10, "PrecisionSaveLoRA", [760, 520], {
+                "filename_prefix": REAL_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(11, "PrecisionLossGraph", [760, 750], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_lora_loss"}, size=[560, 470]),
+            _note(12, [1200, 0], [760, 600], REAL_TRAIN_NOTE),
+        ],
+        "links": "real_train",  # filled in by real_train_links() from the schemas
+    }
+
+
+def real_inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "PrecisionLoadDiffusionModel", [0, 0], {"model_name": REAL_MODEL, "weight_dtype": "default"},
+                  size=[340, 110]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], {**LOAD_LORA_WIDGETS, "lora_name": REAL_LORA}, size=[360, 420]),
+            _node(3, "DualCLIPLoader", [0, 150], {"clip_name1": REAL_CLIP_L, "clip_name2": REAL_T5, "type": "flux"},
+                  size=[340, 130]),
+            _node(4, "CLIPTextEncode", [0, 320], {"text": "a photo of sks"}, size=[340, 160]),
+            _node(5, "FluxGuidance", [0, 520], {"guidance": 3.5}, size=[340, 60]),
+            _node(6, "ConditioningZeroOut", [0, 620], size=[340, 30]),
+            _node(7, "EmptySD3LatentImage", [400, 460], {"width": 1024, "height": 1024, "batch_size": 1},
+                  size=[360, 110]),
+            _node(8, "KSampler", [800, 0], {
+                "seed": 0, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(9, "VAELoader", [800, 310], {"vae_name": REAL_VAE}, size=[300, 60]),
+            _node(10, "VAEDecode", [800, 410], size=[300, 50]),
+            _node(11, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference"}, size=[400, 440]),
+            _note(12, [0, 700], [1100, 320], REAL_INFER_NOTE),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 8, "model"), (3, 0, 4, "clip"), (4, 0, 5, "conditioning"),
+            (5, 0, 8, "positive"), (4, 0, 6, "conditioning"), (6, 0, 8, "negative"), (7, 0, 8, "latent_image"),
+            (8, 0, 10, "samples"), (9, 0, 10, "vae"), (10, 0, 11, "images"),
+        ],
+    }
+
+
 SPECS = {
-    "inference_matching_scale": inference_spec,
+    "inference_matching_scale": real_inference_spec,
+    "train_lora": real_train_spec,
+    "inference_demo": inference_spec,
     "precision_probe": probe_spec,
-    "train_lora": train_spec,
+    "train_lora_demo": train_spec,
 }
 
 BUILD_JS = r"""
@@ -227,7 +328,7 @@ async (spec) => {
 
 
 def train_links(info: dict) -> list[tuple]:
-    """Links of train_lora.json by the training nodes' input and output names (checked against object_info)."""
+    """Links of train_lora_demo.json by the training nodes' input and output names (checked against object_info)."""
     def out(node_type: str, name: str) -> int:
         names = info[node_type]["output_name"]
         if name not in names:
@@ -260,6 +361,26 @@ def train_links(info: dict) -> list[tuple]:
     return links
 
 
+def real_train_links(info: dict) -> list[tuple]:
+    """Links of the real train_lora.json, by input and output names (checked against object_info)."""
+    def out(node_type: str, name: str) -> int:
+        names = info[node_type]["output_name"]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+        return names.index(name)
+
+    t, d, m = "PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "MakeTrainingDataset"
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][out(t, "loss_map")]]
+    return [
+        (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 9, "model"),
+        (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (6, 0, 8, "vae"), (5, 0, 8, "clip"),
+        (8, out(m, "latents"), 9, "latents"), (8, out(m, "conditioning"), 9, "conditioning"), (4, 0, 9, "settings"),
+        (9, out(t, "model"), 10, "model"), (9, out(t, "training_state"), 10, "training_state"),
+        (9, out(t, "loss_map"), 11, graph_in[0]),
+    ]
+
+
 def _load_browser():
     spec = importlib.util.spec_from_file_location("precision_browser",
                                                   os.path.join(ROOT, "tests", "browser", "precision_browser.py"))
@@ -290,6 +411,8 @@ def build(names: list[str], server_url: str | None) -> None:
             spec = SPECS[name]()
             if spec["links"] == "train":
                 spec["links"] = train_links(info)
+            elif spec["links"] == "real_train":
+                spec["links"] = real_train_links(info)
             result = browser.evaluate(BUILD_JS, spec)
             workflow = result["workflow"]
             workflow["extra"] = {"ds": {"scale": 0.7, "offset": [520, 40]}}

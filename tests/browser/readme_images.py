@@ -15,9 +15,9 @@ ARTIFACTS = os.path.join(ROOT, "artifacts", "browser")
 DOCS_IMG = os.path.join(ROOT, "docs", "img")
 # artifact -> (docs/img name, width or None to keep)
 IMAGES = {
-    "train_05_finished.png": ("train_lora.png", 1440),
+    "train_05_finished.png": ("train_lora_demo.png", 1440),
     "train_04_stopped.png": ("loss_chart.png", None),
-    "inference_done.png": ("inference_matching_scale.png", 1440),
+    "inference_done.png": ("inference_demo.png", 1440),
     "probe_done.png": ("precision_probe.png", 1440),
 }
 MAX_BYTES = 300_000

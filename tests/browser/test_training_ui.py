@@ -19,7 +19,7 @@ from precision_browser import (
 pytestmark = pytest.mark.browser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIRST_TRAIN, SECOND_TRAIN = 7, 11  # node ids in workflows/train_lora.json
+FIRST_TRAIN, SECOND_TRAIN = 7, 11  # node ids in workflows/train_lora_demo.json
 LONG_RUN_STEPS = 2000  # far more than the test waits for: only Stop can end it early
 DEMO_LORA = "precision_lora/demo_lora.safetensors"
 
@@ -109,7 +109,7 @@ def training_run(comfy_page, comfy_server):
     """The user's session: everything the tests below assert on is collected here, in order."""
     page = comfy_page
     page.console(clear=True)
-    _drop(page, "train_lora.json")
+    _drop(page, "train_lora_demo.json")
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
     assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
     fit_view(page)
@@ -208,12 +208,12 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
     path = os.path.join(comfy_server.base_dir, "models", "loras", *DEMO_LORA.split("/"))
     assert os.path.isfile(path), "the training run did not write the demo LoRA"
     comfy_page.evaluate("async () => { await window.comfyAPI.app.app.refreshComboInNodes(); return true; }")
-    _drop(comfy_page, "inference_matching_scale.json")
+    _drop(comfy_page, "inference_demo.json")
     panel = comfy_page.wait_for(PANEL, timeout=30)
     rows = panel["rows"]
     with safe_open(path, "pt") as f:
         md = f.metadata()
-    # what the run trained with (train_lora.json: rank 4, alpha 4, multiplier 1.0 on tiny Flux.1, head_dim 32)
+    # what the run trained with (train_lora_demo.json: rank 4, alpha 4, multiplier 1.0 on tiny Flux.1, head_dim 32)
     assert rows["rank"] == md["ss_network_dim"] == "4"
     assert float(rows["alpha"]) == float(md["ss_network_alpha"]) == 4.0
     assert rows["attention backend"] == md["ss_attn_mode"] == "auto"
@@ -279,7 +279,7 @@ def test_three_runs_of_the_unchanged_workflow_train_once_and_a_change_retrains(t
                                                                                comfy_server):
     """Issue 14 item 1: with the pack's seeds fixed, pressing Run again serves the training nodes from
     ComfyUI's cache (hours on a real model) instead of retraining; changing an input retrains."""
-    _drop(comfy_page, "train_lora.json")
+    _drop(comfy_page, "train_lora_demo.json")
     runs = [_run_from_page(comfy_page, comfy_server) for _ in range(3)]
     assert all(r["status"]["status_str"] == "success" for r in runs), [r["status"] for r in runs]
     trained = [str(FIRST_TRAIN) not in _cached_nodes(r) for r in runs]

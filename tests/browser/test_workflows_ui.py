@@ -18,7 +18,7 @@ UI_FILES = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
 
 def test_there_are_workflows_to_check():
     names = {os.path.basename(p) for p in UI_FILES}
-    assert {"train_lora.json", "inference_matching_scale.json"} <= names, names
+    assert {"train_lora.json", "inference_matching_scale.json", "train_lora_demo.json", "inference_demo.json"} <= names, names
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: os.path.basename(p))
@@ -61,11 +61,11 @@ SET_BY_USER = """([id, name, value]) => {
 
 
 def test_patch_attention_shows_the_resolved_scale_for_the_connected_model(comfy_page):
-    with open(os.path.join(ROOT, "workflows", "train_lora.json")) as f:
+    with open(os.path.join(ROOT, "workflows", "train_lora_demo.json")) as f:
         text = f.read()
     workflow = json.loads(text)
     att = next(n["id"] for n in workflow["nodes"] if n["type"] == "PrecisionPatchAttention")
-    comfy_page.evaluate(DROP_WORKFLOW, {"name": "train_lora.json", "text": text})
+    comfy_page.evaluate(DROP_WORKFLOW, {"name": "train_lora_demo.json", "text": text})
     comfy_page.wait_for(GRAPH_LOADED, sorted(n["id"] for n in workflow["nodes"]), timeout=60)
     first = comfy_page.wait_for(SCALE_TEXT, att, timeout=30)
     assert first["headDim"] == "32"  # tiny Flux.1 upstream: hidden 64 / 2 heads

@@ -87,7 +87,7 @@ def strip_meta(prompt: dict) -> dict:
 
 def test_workflow_set_is_complete():
     names = sorted(os.path.basename(p) for p in UI_FILES)
-    assert {"train_lora.json", "inference_matching_scale.json"} <= set(names)
+    assert {"train_lora.json", "inference_matching_scale.json", "train_lora_demo.json", "inference_demo.json"} <= set(names)
     assert names == sorted(os.path.basename(p) for p in glob.glob(os.path.join(WF, "api", "*.json"))), \
         "every UI workflow has an API twin under workflows/api and vice versa"
 
@@ -138,7 +138,7 @@ def _nodes_of(prompt: dict, class_type: str) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(comfy_server):
     """Runs the training twin (fewer steps, a non-default scale); returns (entry, prompt, lora path)."""
-    prompt = _load(os.path.join(WF, "api", "train_lora.json"))
+    prompt = _load(os.path.join(WF, "api", "train_lora_demo.json"))
     for nid in _nodes_of(prompt, "PrecisionTrainLoRA"):
         prompt[nid]["inputs"]["steps"] = 3
     att = _nodes_of(prompt, "PrecisionPatchAttention")[0]
@@ -179,7 +179,7 @@ def _saved_image(server, entry: dict, node_id: str) -> np.ndarray:
 
 
 def test_inference_twin_uses_the_trained_lora_and_its_scale(server, trained):
-    prompt = _load(os.path.join(WF, "api", "inference_matching_scale.json"))
+    prompt = _load(os.path.join(WF, "api", "inference_demo.json"))
     save = _nodes_of(prompt, "SaveImage")[0]
     loader = _nodes_of(prompt, "PrecisionLoadLoRA")[0]
     assert prompt[loader]["inputs"]["lora_name"] == DEMO_LORA

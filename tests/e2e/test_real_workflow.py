@@ -1,0 +1,91 @@
+"""The shipped real-training workflows run on a real server with only file and folder names picked (plus the
+two differences tests/real_arch.py's swap_names states): train_lora.json trains from a folder of 3 captioned
+images through ComfyUI's own dataset, VAE and text-encoder nodes, and inference_matching_scale.json samples an
+empty latent with the LoRA it saved."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors import safe_open
+
+pytestmark = pytest.mark.e2e
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import real_arch  # noqa: E402
+
+WF = os.path.join(ROOT, "workflows")
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(WF, "api", name)) as f:
+        return json.load(f)
+
+
+def _of(prompt: dict, class_type: str) -> str:
+    (nid,) = [k for k, v in prompt.items() if v["class_type"] == class_type]
+    return nid
+
+
+@pytest.fixture(scope="module")
+def real_files(comfy_server):
+    from server_harness import server_env
+
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "real_arch.py"), comfy_server.base_dir], check=True,
+                   env=server_env(), timeout=600)
+    return comfy_server.base_dir
+
+
+def test_shipped_real_workflows_use_comfyui_nodes_for_data_vae_and_text():
+    train, infer = _load("train_lora.json"), _load("inference_matching_scale.json")
+    kinds = {v["class_type"] for v in train.values()}
+    assert {"LoadImageTextDataSetFromFolder", "MakeTrainingDataset", "DualCLIPLoader", "VAELoader"} <= kinds
+    assert not any(k.startswith("PrecisionDemo") for k in kinds | {v["class_type"] for v in infer.values()})
+    data = _of(train, "MakeTrainingDataset")
+    trainer = _of(train, "PrecisionTrainLoRA")
+    assert train[trainer]["inputs"]["latents"] == [data, 0] and train[trainer]["inputs"]["conditioning"] == [data, 1]
+    for prompt in (train, infer):
+        assert prompt[_of(prompt, "PrecisionLoadDiffusionModel")]["inputs"]["weight_dtype"] == "default"
+    sampler = infer[_of(infer, "KSampler")]["inputs"]
+    assert infer[sampler["latent_image"][0]]["class_type"] == "EmptySD3LatentImage"
+    assert infer[_of(infer, "VAEDecode")]["inputs"]["samples"] == [_of(infer, "KSampler"), 0]
+
+
+def test_real_training_then_inference_with_names_picked(server, real_files):
+    prompt, edits = real_arch.swap_names(_load("train_lora.json"))
+    assert len(edits) == 4, edits  # model, text encoder, VAE, dataset folder
+    trainer = _of(prompt, "PrecisionTrainLoRA")
+    steps = prompt[trainer]["inputs"]["steps"]
+    before = set(glob.glob(os.path.join(real_files, "models", "loras", "precision_lora", "my_lora_*.safetensors")))
+    entry = server.run(prompt, timeout=900)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    saved = sorted(set(glob.glob(os.path.join(real_files, "models", "loras", "precision_lora",
+                                              "my_lora_*.safetensors"))) - before)
+    assert len(saved) == 1, saved
+    with safe_open(saved[0], "pt") as f:
+        md = f.metadata()
+        ups = [f.get_tensor(k) for k in f.keys() if k.endswith("lora_up.weight")]
+    assert md["ss_steps"] == str(steps) and md["ss_base_model_version"] == "flux1"
+    assert ups and all(bool(u.abs().sum() > 0) for u in ups), "the LoRA did not train"
+    # the learning curve covers every step of the run, all finite
+    loss_csv = glob.glob(server.output_path("precision_lora", "my_lora_loss*.csv"))
+    assert loss_csv, os.listdir(server.output_path("precision_lora"))
+    with open(sorted(loss_csv)[-1]) as f:
+        rows = [line.split(",") for line in f.read().strip().splitlines()[1:]]
+    assert len(rows) == steps and all(math.isfinite(float(r[1])) for r in rows)
+
+    lora_name = "precision_lora/" + os.path.basename(saved[0])
+    infer, edits = real_arch.swap_names(_load("inference_matching_scale.json"), lora_name=lora_name)
+    assert len(edits) == 5, edits  # model, text encoder, VAE, LoRA; latent size
+    out = server.run(infer, timeout=600)
+    img = out["outputs"][_of(infer, "SaveImage")]["images"][0]
+    pixels = np.asarray(Image.open(server.output_path(img["subfolder"], img["filename"])))
+    assert pixels.shape == (64, 64, 3) and pixels.std() > 0

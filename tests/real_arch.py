@@ -1,0 +1,209 @@
+"""Random-weight files of real architectures, built at test time, for running the real-training workflows.
+
+    python tests/real_arch.py BASE_DIR      (the host's venv; writes into BASE_DIR/models and BASE_DIR/input)
+
+What it writes (nothing is downloaded; every weight comes from a seeded generator):
+
+- ``models/vae/real_arch_flux_ae.safetensors``: the Flux.1 16-channel VAE at its real size (~84 M
+  parameters), built from ComfyUI's own Encoder/Decoder classes with the keys of the released ``ae``; the
+  stock *Load VAE* detects it as it detects the released file.
+- ``models/text_encoders/real_arch_clip_l.safetensors``: CLIP-L's text model at its real size (~123 M
+  parameters, ComfyUI's own CLIP class and config), keys as in the released ``clip_l``.
+- ``models/diffusion_models/real_arch_tiny_flux1_clip_l.safetensors``: a tiny Flux.1-dev (the demo's
+  config) whose text input width is CLIP-L's 768 instead of T5-XXL's 4096, config in the file's metadata
+  (loads with *Load Diffusion Model (Precision)*).
+- ``input/real_arch_captioned/``: 3 images in two sizes, each with its ``.txt`` caption.
+
+Why CLIP-L and not Flux.1's own pair: T5-XXL has one size in ComfyUI (its config is fixed, ~4.76 B
+parameters, ~9.5 GB in fp16, 256 tokens per caption), too large to build and run at test time on a CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+VAE_NAME = "real_arch_flux_ae.safetensors"
+CLIP_L_NAME = "real_arch_clip_l.safetensors"
+TINY_FLUX_NAME = "real_arch_tiny_flux1_clip_l.safetensors"
+DATASET = "real_arch_captioned"
+# (file stem, width, height, caption): two sizes, so one run trains on latents of different shapes
+IMAGES = (
+    ("red_square", 64, 64, "a photo of sks, a red square"),
+    ("green_square", 64, 64, "a photo of sks, a green square"),
+    ("blue_wide", 80, 48, "a photo of sks, a wide blue band"),
+)
+# The Flux.1 autoencoder ("ae"): 16 latent channels, ComfyUI's default channel widths (128 x [1, 2, 4, 4]).
+FLUX_VAE_CONFIG = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                   "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+
+
+def _fill(module, seed: int) -> None:
+    """ComfyUI's ops leave weights uninitialised: fill them from a seeded generator (fan-in scaled
+    matrices, norm gains near 1, small biases), so activations stay finite through every layer."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(math.prod(p.shape[1:])))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def _save(sd: dict, path: str, metadata: dict | None = None) -> None:
+    import safetensors.torch
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".partial"
+    safetensors.torch.save_file({k: v.detach().contiguous().to(v.dtype) for k, v in sd.items()}, tmp,
+                                metadata=metadata)
+    os.replace(tmp, path)
+
+
+def flux_vae_state_dict(seed: int = 0) -> dict:
+    import torch
+    from comfy.ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+    enc, dec = Encoder(**FLUX_VAE_CONFIG), Decoder(**FLUX_VAE_CONFIG)
+    _fill(enc, seed)
+    _fill(dec, seed + 1)
+    sd = {f"encoder.{k}": v for k, v in enc.state_dict().items()}
+    sd.update({f"decoder.{k}": v for k, v in dec.state_dict().items()})
+    return {k: v.to(torch.float16) for k, v in sd.items()}
+
+
+def clip_l_state_dict(seed: int = 0) -> dict:
+    import torch
+    import comfy.sd1_clip
+
+    model = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32)
+    _fill(model.transformer, seed)
+    # the token embedding is read by index, not multiplied: keep it at the scale CLIP's own init uses
+    emb = model.transformer.text_model.embeddings
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 7)
+        emb.token_embedding.weight.copy_(0.02 * torch.randn(emb.token_embedding.weight.shape, generator=gen))
+        emb.position_embedding.weight.copy_(0.01 * torch.randn(emb.position_embedding.weight.shape, generator=gen))
+    return {k: v.to(torch.float16) for k, v in model.transformer.state_dict().items()}
+
+
+def write_tiny_flux_for_clip_l(path: str, seed: int = 0) -> None:
+    tiny = _pack_module("demo.tiny_models")
+    compat = _pack_module("precision_nodes.comfy_compat")
+    load_model = _pack_module("precision_nodes.load_model")
+    config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": 768, "vec_in_dim": 768})
+    patcher = tiny.build_tiny_model("flux1_dev", seed=seed, unet_config=config)
+    _save(tiny.tiny_state_dict(patcher), path, {load_model.UNET_CONFIG_KEY: json.dumps(config),
+                                                "precision_lora.tiny_family": "flux1_dev_clip_l"})
+
+
+def write_dataset(folder: str) -> None:
+    import numpy as np
+    from PIL import Image
+
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i, (stem, w, h, caption) in enumerate(IMAGES):
+        base = np.zeros((h, w, 3), np.float32)
+        base[..., i % 3] = 200.0
+        pixels = np.clip(base + rng.normal(0.0, 20.0, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(os.path.join(folder, stem + ".png"))
+        with open(os.path.join(folder, stem + ".txt"), "w", encoding="utf-8") as f:
+            f.write(caption + "\n")
+
+
+def write_all(base: str, seed: int = 0) -> dict[str, str]:
+    """Writes every file that is missing under ``base``; returns {what: path}."""
+    paths = {
+        "vae": os.path.join(base, "models", "vae", VAE_NAME),
+        "clip_l": os.path.join(base, "models", "text_encoders", CLIP_L_NAME),
+        "model": os.path.join(base, "models", "diffusion_models", TINY_FLUX_NAME),
+        "dataset": os.path.join(base, "input", DATASET),
+    }
+    if not os.path.exists(paths["vae"]):
+        _save(flux_vae_state_dict(seed), paths["vae"])
+    if not os.path.exists(paths["clip_l"]):
+        _save(clip_l_state_dict(seed), paths["clip_l"])
+    if not os.path.exists(paths["model"]):
+        write_tiny_flux_for_clip_l(paths["model"], seed)
+    if not os.path.isdir(paths["dataset"]):
+        write_dataset(paths["dataset"])
+    return paths
+
+
+# What the real workflows ship with (workflows/build.py) and what the tests pick instead: file and folder
+# names only, plus the two differences that CPU test time forces (see swap_names).
+SHIPPED = {"model": "flux1-dev.safetensors", "clip_l": "clip_l.safetensors", "t5": "t5xxl_fp16.safetensors",
+           "vae": "ae.safetensors", "dataset": "my_lora_dataset"}
+
+
+def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[str]]:
+    """The API prompt of a shipped real workflow with this module's files picked; returns it and the list of
+    edits made (what a user would do in the page). Every name edit checks the shipped value first.
+
+    Two edits are not name picks: DualCLIPLoader (clip_l + T5-XXL, type flux) becomes CLIPLoader (the same
+    clip_l, type stable_diffusion) under the same node id and links, because T5-XXL cannot be built here;
+    and an empty latent's size becomes 64 x 64, because a real-size Flux VAE decodes 1024 x 1024 far too
+    slowly on a CPU."""
+    import copy
+
+    out, edits = copy.deepcopy(prompt), []
+    for nid, node in out.items():
+        inputs, kind = node["inputs"], node["class_type"]
+        if kind == "PrecisionLoadDiffusionModel":
+            assert inputs["model_name"] == SHIPPED["model"] and inputs["weight_dtype"] == "default", inputs
+            inputs["model_name"] = TINY_FLUX_NAME
+            edits.append(f"{nid}.model_name")
+        elif kind == "VAELoader":
+            assert inputs["vae_name"] == SHIPPED["vae"], inputs
+            inputs["vae_name"] = VAE_NAME
+            edits.append(f"{nid}.vae_name")
+        elif kind == "LoadImageTextDataSetFromFolder":
+            assert inputs["folder"] == SHIPPED["dataset"], inputs
+            inputs["folder"] = DATASET
+            edits.append(f"{nid}.folder")
+        elif kind == "DualCLIPLoader":
+            assert (inputs["clip_name1"], inputs["clip_name2"], inputs["type"]) == (
+                SHIPPED["clip_l"], SHIPPED["t5"], "flux"), inputs
+            out[nid] = {"class_type": "CLIPLoader", "inputs": {"clip_name": CLIP_L_NAME, "type": "stable_diffusion"}}
+            edits.append(f"{nid}: DualCLIPLoader -> CLIPLoader")
+        elif kind == "PrecisionLoadLoRA" and lora_name is not None:
+            inputs["lora_name"] = lora_name
+            edits.append(f"{nid}.lora_name")
+        elif kind in ("EmptySD3LatentImage", "EmptyLatentImage"):
+            inputs["width"] = inputs["height"] = 64
+            edits.append(f"{nid}.width/height")
+    return out, edits
+
+
+_BASE: list[str] = []  # the base directory ComfyUI was started in-process with (main)
+
+
+def _pack_module(name: str):
+    """A sub-module of the pack as ComfyUI loaded it in this process (the demo's tiny Flux builder)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import comfy_bootstrap
+
+    pack = comfy_bootstrap.load_pack_in_process(_BASE[0])
+    return importlib.import_module(f"{pack.__name__}.{name}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: real_arch.py BASE_DIR")
+    base = os.path.abspath(argv[0])
+    _BASE.append(base)
+    _pack_module("demo")  # imports ComfyUI (CPU) with this base directory first
+    for what, path in write_all(base).items():
+        sys.stderr.write(f"[Precision LoRA] real-architecture {what}: {path}\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
