@@ -119,13 +119,12 @@ def with_overrides(prompt: dict, steps: int | None = None, resume_name: str | No
 
 
 def stage_resume(path: str, checkpoint_folder: str) -> str:
-    """The name ``PrecisionTrainLoRA``'s ``resume_from`` takes for the training state ``path`` (a state or
-    checkpoint LoRA file, or a name inside the checkpoint folder). A file elsewhere is copied into the
-    checkpoint folder first (with its LoRA file, under a free name), so the node reads it the way it reads
-    the UI's own checkpoints."""
-    inside = os.path.join(checkpoint_folder, state_path_for(path))
-    if not os.path.isabs(path) and os.path.isfile(inside) and not os.path.isfile(state_path_for(path)):
-        return os.path.basename(state_path_for(path))
+    """The name ``PrecisionTrainLoRA``'s ``resume_from`` takes for the training state ``path``: a state or
+    checkpoint LoRA file, or a name the node resolves itself (what its ``resume_from`` accepts). A file
+    outside ``checkpoint_folder`` (a folder the node searches) is copied into it first, with its LoRA file,
+    under a free name, so the node reads it the way it reads the UI's own checkpoints."""
+    if not os.path.isabs(path) and not os.path.isfile(state_path_for(path)):
+        return path  # not a file here: a name the node resolves itself (a checkpoint a LoRA loader lists)
     state = os.path.abspath(state_path_for(path))
     if not os.path.isfile(state):
         raise WorkflowError(f"{PROG}: --resume {path!r}: no training state file {state}; give a "
