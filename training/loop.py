@@ -14,6 +14,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
+from .caption_dropout import dropped
 from .checkpoint import TrainingState
 from .distributed import DataParallel, active
 from .guard import NanGuard, all_finite
@@ -34,14 +35,16 @@ ACTIONS = ("stop", "checkpoint", "interrupt")
 class Sample:
     """One training example. ``latent`` (C, ...) in model space (after ``process_latent_in``), fp32.
 
-    ``cond``/``class_cond`` are opaque to the loop (collated by ``ModelFns.collate``); samples whose
-    ``group`` and latent shape are equal can share one forward pass.
+    ``cond``/``class_cond``/``empty_cond`` are opaque to the loop (collated by ``ModelFns.collate``);
+    samples whose ``group`` and latent shape are equal can share one forward pass. ``empty_cond`` (the
+    empty caption for this sample) replaces ``cond`` when caption dropout picks the sample.
     """
 
     latent: torch.Tensor
     cond: Any
     group: Hashable = 0
     class_cond: Any = None
+    empty_cond: Any = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,10 @@ def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, f
         if any(s.class_cond is None for s in data):
             raise ValueError("[Precision LoRA] dop_multiplier > 0 needs a class conditioning; connect "
                              "class_conditioning or set dop_multiplier to 0")
+    if settings.caption_dropout > 0 and any(s.empty_cond is None for s in data):
+        raise ValueError(f"[Precision LoRA] caption_dropout={settings.caption_dropout} needs the empty caption's "
+                         "conditioning; connect empty_conditioning (a text encoder's output for an empty "
+                         "prompt) or set caption_dropout to 0")
 
 
 class _Run:
@@ -170,8 +177,10 @@ class _Run:
             skipped=self.guard.skipped, rollbacks=self.guard.rollbacks)
 
     # ---- one optimizer step ----
-    def _forward_group(self, ids: list[int], batch: int, dop_on: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Loss of one same-shape group, already scaled by its share of the batch; backward is done here."""
+    def _forward_group(self, ids: list[int], batch: int, dop_on: bool,
+                       empty: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Loss of one same-shape group, already scaled by its share of the batch; backward is done here.
+        ``empty``: the group's samples train on their empty caption (caption dropout)."""
         fns, s = self.fns, self.s
         x0 = torch.stack([self.data[i].latent for i in ids]).to(fns.device, torch.float32)
         noise = torch.randn(x0.shape, generator=self.gen, dtype=torch.float32).to(fns.device)
@@ -186,7 +195,8 @@ class _Run:
         x_t = fns.noise_latent(sigma, noise, x0)
         target = fns.target(sigma, noise, x0)
         share = len(ids) / batch
-        loss = weighted_mse(fns.predict(x_t, sigma, fns.collate([self.data[i].cond for i in ids])),
+        conds = [self.data[i].empty_cond if empty else self.data[i].cond for i in ids]
+        loss = weighted_mse(fns.predict(x_t, sigma, fns.collate(conds)),
                             target, loss_weight(s.loss_weighting, u).float()) * share
         dop = torch.zeros((), device=loss.device)
         if dop_on:
@@ -197,16 +207,20 @@ class _Run:
         ((loss + dop) / s.grad_accum).backward()
         return loss.detach(), dop.detach(), mean_sigma
 
-    def _micro_batch(self, dop_on: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _micro_batch(self, dop_on: bool, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
         n = len(self.data)
         batch = min(self.s.batch_size, n)
         picks = torch.randperm(n, generator=self.gen)[:batch].tolist()
-        groups: dict[tuple[Hashable, tuple[int, ...]], list[int]] = {}
+        # Dropped samples form their own groups (the empty caption may have another token count); the
+        # decision is a pure function of the run position, so every rank and every resume agrees on it.
+        p = self.s.caption_dropout
+        groups: dict[tuple[Hashable, tuple[int, ...], bool], list[int]] = {}
         for i in picks:
-            groups.setdefault((self.data[i].group, tuple(self.data[i].latent.shape)), []).append(i)
+            empty = dropped(p, self.seed, self.step, micro, i)
+            groups.setdefault((self.data[i].group, tuple(self.data[i].latent.shape), empty), []).append(i)
         loss, dop, sigmas = torch.zeros(()), torch.zeros(()), []
-        for ids in groups.values():
-            g_loss, g_dop, g_sigma = self._forward_group(ids, batch, dop_on)
+        for (_, _, empty), ids in groups.items():
+            g_loss, g_dop, g_sigma = self._forward_group(ids, batch, dop_on, empty)
             loss, dop = loss + g_loss.cpu(), dop + g_dop.cpu()
             sigmas.append(g_sigma)
         return loss, dop, sum(sigmas) / len(sigmas)
@@ -218,8 +232,8 @@ class _Run:
         lr = apply_lr(self.optimizer, lr_multiplier(self.step, s.schedule))
         dop_on = s.dop_multiplier > 0 and self.step % s.dop_every_n == 0
         loss, dop, sigma = torch.zeros(()), torch.zeros(()), 0.0
-        for _ in range(s.grad_accum):
-            m_loss, m_dop, m_sigma = self._micro_batch(dop_on)
+        for micro in range(s.grad_accum):
+            m_loss, m_dop, m_sigma = self._micro_batch(dop_on, micro)
             loss, dop, sigma = loss + m_loss / s.grad_accum, dop + m_dop / s.grad_accum, sigma + m_sigma / s.grad_accum
         self.masters.pull_grads()
         if self.parallel is not None:  # every rank now holds the global batch's gradient and loss

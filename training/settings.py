@@ -59,6 +59,7 @@ class TrainSettings:
     nan_policy: str = "rollback"
     nan_patience: int = 3
     gradient_checkpointing: bool = False
+    caption_dropout: float = 0.0    # probability of training a sample on the empty caption (0 = off)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,6 +107,8 @@ class TrainSettings:
             raise _err("shift", self.shift, "must be > 0 (1 = no shift, > 1 favours high noise)")
         if self.dop_multiplier < 0:
             raise _err("dop_multiplier", self.dop_multiplier, "must be >= 0 (0 disables DOP)")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
 
     def _validate_names(self) -> None:
         registries: dict[str, Mapping[str, Any]] = {
