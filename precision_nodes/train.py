@@ -5,8 +5,6 @@ Defaults come from ``TrainSettings``; every option list from the registry that i
 from __future__ import annotations
 
 import logging
-import math
-import time
 from typing import Any, Callable, Mapping
 
 import comfy.model_management as mm
@@ -19,11 +17,10 @@ from ..training.settings import NAN_POLICIES, TrainSettings
 from .checks import PrecisionNode
 from .comfy_io import io
 from .train_captions import with_empty_caption
-from .train_data import build_dataset
+from .train_data import build_samples
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
-from .train_preview import PreviewStepHook, make_previewer, node_outputs
-from .types import LossMapType, PreviewSettingsType, TrainingStateType, TrainSettingsType
+from .types import LossMapType, TrainingStateType, TrainSettingsType
 
 log = logging.getLogger(__name__)
 DEFAULTS = TrainSettings()
@@ -161,43 +158,10 @@ def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
     return (None if node_id is None else str(node_id)), (ctx.prompt_id if ctx is not None else None)
 
 
-class ConsoleLine:
-    """One console line every ``every`` steps (a twentieth of the run), or after ``seconds`` without one,
-    and at the last step: step, loss smoothed over the recent steps, lr, it/s and time left."""
-
-    def __init__(self, steps: int, start: int, seconds: float = 30.0, clock: Callable[[], float] = time.monotonic):
-        self.steps, self.start, self.seconds, self.clock = steps, start, seconds, clock
-        self.every = max(1, steps // 20)
-        self.began = self.last = clock()
-        self.smooth, self.weight = 0.0, 0.0
-
-    def line(self, r: StepReport) -> str | None:
-        if r.loss is not None and math.isfinite(r.loss):  # skipped / non-finite steps do not move the average
-            self.smooth, self.weight = 0.9 * self.smooth + 0.1 * r.loss, 0.9 * self.weight + 0.1
-        now = self.clock()
-        if r.local_step % self.every and r.local_step < self.steps and now - self.last < self.seconds:
-            return None
-        self.last = now
-        rate = r.local_step / max(now - self.began, 1e-9)
-        eta = (self.steps - r.local_step) / rate if rate > 0 else 0.0
-        loss = f"{self.smooth / self.weight:.4g}" if self.weight else "n/a"
-        return (f"[Precision LoRA] PrecisionTrainLoRA: step {r.step}/{self.start + self.steps} loss {loss} "
-                f"(smoothed) lr {r.lr:.3g} {rate:.2f} it/s ETA {_clock(eta)}")
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, start: int) -> Callable[[StepReport], str | None]:
     pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
-    console = ConsoleLine(steps, start)
 
     def on_step(r: StepReport) -> str | None:
-        line = console.line(r)
-        if line is not None:
-            log.info(line)
         point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
         job.add_point(point)
         _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
@@ -258,8 +222,6 @@ class PrecisionTrainLoRA(PrecisionNode):
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
                 io.String.Input("resume_from", default="", optional=True,
                                 tooltip="Checkpoint to resume from, as LoRA loaders list it (e.g. my_run/my_run_step000100.safetensors); plain names in output/precision_lora/checkpoints still work (empty = none)."),
-                PreviewSettingsType.Input("preview", optional=True,
-                                          tooltip="From PrecisionPreviewSettings: sample images every N steps, shown on this node and saved as output/precision_lora/previews/<name>/<name>_step<N>_<i>.png. Training is identical with or without."),
                 io.Conditioning.Input("empty_conditioning", optional=True,
                                       tooltip="The empty caption (CLIPTextEncode with an empty text) for caption_dropout in the settings; needed only when caption_dropout > 0."),
             ],
@@ -268,14 +230,13 @@ class PrecisionTrainLoRA(PrecisionNode):
                 TrainingStateType.Output(display_name="training_state", tooltip="Connect to the next PrecisionTrainLoRA to continue."),
                 LossMapType.Output(display_name="loss_map", tooltip="Loss history of the whole run ({'loss': [...]})."),
                 io.Int.Output(display_name="steps", tooltip="Optimizer steps done in the whole run."),
-                io.Image.Output(display_name="previews", tooltip="The images of the latest preview (a black 64 x 64 image without 'preview')."),
             ],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
-                training_state=None, resume_from=None, preview=None, empty_conditioning=None) -> io.NodeOutput:
+                training_state=None, resume_from=None, empty_conditioning=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
         state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
@@ -285,11 +246,9 @@ class PrecisionTrainLoRA(PrecisionNode):
         hidden = getattr(cls, "hidden", None)
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
         start = state.step if state is not None else 0
-        previewer = make_previewer(out, lora_set, preview, name, node_id, start, steps)
         job = start_job(node_id, prompt_id, [] if state is None else [
             {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], _client_id())
-        on_step = _step_hook(job, node_id, prompt_id, steps, start)
-        hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
+        hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
                       is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
         result = None
@@ -308,25 +267,17 @@ class PrecisionTrainLoRA(PrecisionNode):
         if result.reason == "interrupt":
             mm.interrupt_current_processing(False)
             raise mm.InterruptProcessingException()
-        if previewer is not None:
-            previewer.raise_if_failed(checkpoint)
         if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
             raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}")
-        images, shown = node_outputs(previewer)
-        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
+        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None):
     with training_session(model, lora_set, cfg) as device:
-        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device)
-        for line in report.lines():
-            log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
-        lora_set.info["precision_lora_dataset"] = report.summary()
+        samples = build_samples(model, latents, conditioning, class_conditioning, device)
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)
-        if isinstance(hooks.on_step, PreviewStepHook):
-            hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
             return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
         except ValueError as exc:
