@@ -1,6 +1,7 @@
 """Version differences (precision_nodes/comfy_compat.py) on the host this run uses: ComfyUI 0.3.75 or 0.33.
 
-Each test names the cause in ../shared/comfyui/README.md it guards; each fails on 0.33 without the fix.
+Each test names the 0.33 change it guards (flux config keys, kitchen rotary ops, new backends, deep copies);
+each fails on 0.33 without the fix.
 Where a cause does not exist on a host (comfy-kitchen and ``in_training`` are 0.30+), the test checks what
 the host has instead, or says in its skip reason why it cannot apply.
 """

@@ -97,7 +97,7 @@ def test_rows_with_one_shared_max_get_evenly_spread_shifts(row_max, beta):
 
 def _sink_scenario(ties: int, near: float, seed: int = 0, rows: int = 4096, keys: int = 128, dv: int = 64,
                    levels: int = 0):
-    """PRECISION.md §3: sink-dominated rows (``ties`` maxima of 12..20 over N(0,1) background, the
+    """The stable backend's hard case: sink-dominated rows (``ties`` maxima of 12..20 over N(0,1) background, the
     extra maxima up to ``near`` below the first), values of one sign (bf16, mean −1.5).
     ``levels`` > 0: the row maxima take only that many distinct values (a coarse grid over [12, 20])."""
     gen = torch.Generator().manual_seed(seed)
