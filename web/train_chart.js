@@ -1,8 +1,10 @@
 // Live loss chart, step / lr line and Stop / Checkpoint-now buttons on PrecisionTrainLoRA.
 // Fed by the `precision_lora.train_step` / `train_done` websocket events; after a page reload it replays
-// GET /precision_lora/train/history so the chart of a running job comes back.
+// GET /precision_lora/train/history so the chart of a running job comes back. A run is drawn only in the
+// graph that queued it (lib/chart_owner.js): another graph with the same node id shows an empty chart.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { createOwners, eventKey, historyKey, seriesKey, workflowId } from "./lib/chart_owner.js";
 import { addPanel, chain, panelDiv } from "./lib/hooks.js";
 import {
   addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText,
@@ -17,10 +19,17 @@ const SMOOTHING = 0.9;
 const CHART_HEIGHT = 120;
 const LOG = "[Precision LoRA]";
 
-// Series by prompt node id (a string). Kept outside the nodes so events that arrive before a node exists
-// (page reload, graph still loading) are not lost. Views live on the nodes (`node.precisionChart`) and are
-// found through the graph: a node's id is only final once it is added to the graph or configured.
-const seriesByNode = new Map();
+// Series by (graph id, prompt node id) (`seriesKey`). Kept outside the nodes so events that arrive before
+// a node exists (page reload, graph still loading) are not lost. Views live on the nodes
+// (`node.precisionChart`) and are found through the graph: a node's id is only final once it is added to
+// the graph or configured.
+const seriesByKey = new Map();
+let owners = null; // the prompts this tab queued and their graphs (created in setup: needs sessionStorage)
+
+// The id of the graph shown now (the root graph when a subgraph is open).
+function currentGraphId() {
+  return (app.rootGraph ?? app.graph)?.id ?? null;
+}
 
 function viewFor(nodeId) {
   const graph = app.graph;
@@ -31,12 +40,11 @@ function viewFor(nodeId) {
   return node?.precisionChart ?? null;
 }
 
-function seriesFor(nodeId) {
-  const key = String(nodeId);
-  let s = seriesByNode.get(key);
+function seriesFor(key) {
+  let s = seriesByKey.get(key);
   if (!s) {
     s = createSeries();
-    seriesByNode.set(key, s);
+    seriesByKey.set(key, s);
   }
   return s;
 }
@@ -93,7 +101,7 @@ function renderView(view) {
     view.pending = false;
     const nodeId = view.node.id;
     view.root.dataset.nodeId = String(nodeId);
-    const series = seriesFor(nodeId);
+    const series = seriesFor(seriesKey(currentGraphId(), nodeId));
     drawChart(view.canvas, series);
     view.status.textContent = statusText(series);
     view.root.dataset.done = String(series.done);
@@ -181,8 +189,9 @@ async function replayHistory() {
     const resp = await api.fetchApi(`${HISTORY_ROUTE}?client_id=${encodeURIComponent(id)}`);
     if (!resp.ok) return;
     const h = await resp.json();
-    if (!h || h.node_id === null || h.node_id === undefined || !Array.isArray(h.points) || !h.points.length) return;
-    const series = seriesFor(h.node_id);
+    const key = historyKey(owners, h); // null: no run, or a run this tab did not queue
+    if (key === null) return;
+    const series = seriesFor(key);
     addHistory(series, h.points.map((p) => ({ ...p, prompt_id: h.prompt_id })));
     if (!h.running && !series.done) markDone(series, { stopped: false, checkpoint: series.checkpoint });
     render(h.node_id);
@@ -194,13 +203,25 @@ async function replayHistory() {
 app.registerExtension({
   name: "precision_lora.train_chart",
   setup() {
+    owners = createOwners(globalThis.sessionStorage ?? null);
+    // Remember which graph each prompt of this tab came from (queuePrompt(number, {output, workflow}) in
+    // both supported frontends; its answer carries the prompt_id).
+    const queuePrompt = api.queuePrompt;
+    if (typeof queuePrompt === "function") {
+      api.queuePrompt = async function (...args) {
+        const graph = workflowId(args[1]?.workflow) ?? currentGraphId();
+        const answer = await queuePrompt.apply(this, args);
+        owners.record(answer?.prompt_id, graph);
+        return answer;
+      };
+    }
     api.addEventListener("precision_lora.train_step", ({ detail }) => {
       if (!detail || detail.node === undefined || detail.node === null) return;
-      if (addEvent(seriesFor(detail.node), detail)) render(detail.node);
+      if (addEvent(seriesFor(eventKey(owners, detail, currentGraphId())), detail)) render(detail.node);
     });
     api.addEventListener("precision_lora.train_done", ({ detail }) => {
       if (!detail || detail.node === undefined || detail.node === null) return;
-      markDone(seriesFor(detail.node), detail);
+      markDone(seriesFor(eventKey(owners, detail, currentGraphId())), detail);
       render(detail.node);
     });
     // A reload during a run: reconnecting the socket is when the history matters. The first "status"
