@@ -260,6 +260,12 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
             return RunResult(False, problem)
         if parallel is not None:
             say(f"data parallel: {parallel.world} processes, rank 0 writes the files")
+            for node_id, node in prompt.items():
+                size = node["inputs"].get("batch_size")
+                if node["class_type"] == "PrecisionTrainSettings" and isinstance(size, int) and size < parallel.world:
+                    say(f"warning: node {node_id} (PrecisionTrainSettings) batch_size={size} is the global batch: "
+                        f"{parallel.world - size} of {parallel.world} processes get no samples and only wait; set "
+                        f"batch_size to at least {parallel.world} (a multiple of it is best)")
         say(f"running nodes {', '.join(targets)} of {len(prompt)} ({', '.join(prompt[t]['class_type'] for t in targets)})")
         output = [folder_paths.get_output_directory(), *folder_paths.get_folder_paths("loras")]
         before = _output_files(output)
