@@ -13,12 +13,15 @@ batch, see ``training.distributed``) and only rank 0 runs the writers, writes ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import filecmp
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -274,18 +277,43 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
         try:
             executor = execution.PromptExecutor(stand_in, cache_type=execution.CacheType.CLASSIC,
                                                 cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
-            executor.execute(prompt, prompt_id, {}, targets)
+            with _ctrl_c_cancels(mm, say):
+                executor.execute(prompt, prompt_id, {}, targets)
         finally:
             comfy_server.PromptServer.instance = previous
         written = sorted(_output_files(output) - before) if main else []
-        if not executor.success:
-            return RunResult(False, _error_text(executor.status_messages), written)
         for path in written:
             say(f"wrote {path}")
+        if not executor.success:
+            return RunResult(False, _error_text(executor.status_messages), written)
         return RunResult(True, None, written)
     finally:
         if parallel is not None:
             distributed.deactivate()
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(mm, say: Callable[[str], None]):
+    """The first Ctrl-C is the UI's Cancel (the train node finishes its step, writes a checkpoint and ends);
+    a second one stops at once. Only in the main thread, where Python delivers signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    presses = []
+
+    def handler(signum, frame):
+        presses.append(signum)
+        if len(presses) > 1:
+            raise KeyboardInterrupt
+        say("cancelling: the current step finishes and a checkpoint is written (Ctrl-C again to quit now)")
+        mm.interrupt_current_processing(True)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        mm.interrupt_current_processing(False)
 
 
 def _validate(execution, prompt_id: str, prompt: dict, targets: list[str]) -> str | None:

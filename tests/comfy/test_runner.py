@@ -115,6 +115,27 @@ def test_runner_resume_continues_the_identical_run(headless, one_thread) -> None
     assert [p["loss"] for p in state(whole)["history"]] == [p["loss"] for p in state(resumed)["history"]]
 
 
+@pytest.mark.slow
+def test_ctrl_c_cancels_like_the_ui_with_a_checkpoint(headless, one_thread) -> None:
+    import signal
+
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if " step 2/" in line:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in the terminal sends
+
+    result = headless.run(_prompt(DEMO_TRAIN, "ctrl_c", steps=4), echo=echo)
+    assert not result.success and "interrupted" in result.error, result.error
+    assert any(ln.startswith("cancelling:") for ln in lines), lines
+    states = [p for p in result.written if re.search(r"_s(tep)?0*2\.state\.pt$", p)]
+    assert len(states) == 1, result.written  # the checkpoint of the last complete step
+    assert torch.load(states[0], weights_only=True)["step"] == 2
+    assert not any(" step 3/" in ln for ln in lines)  # it ended there, the second train node never ran
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is Python's again
+
+
 def test_non_training_workflows_are_refused_with_the_reason(headless) -> None:
     for path in WORKFLOWS:
         if path not in TRAINING:
