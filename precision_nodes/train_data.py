@@ -16,6 +16,7 @@ import torch
 from ..training.grad import clone_if_inference
 from ..training.loop import Sample
 from .data_checks import conditioning_problem, latent_problem
+from .resolution import size_problem
 
 NODE = "PrecisionTrainLoRA"
 
@@ -31,7 +32,7 @@ def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], li
         samples = latent.get("samples") if isinstance(latent, dict) else None
         if not isinstance(samples, torch.Tensor):
             raise _err("latents", f"item {i} is not a LATENT dict with a 'samples' tensor")
-        problem = latent_problem(model, samples)
+        problem = latent_problem(model, samples) or size_problem(model, samples)
         if problem is not None:
             raise _err("latents", f"latent {i} {problem}")
         x = model.model.process_latent_in(clone_if_inference(samples).float()).float().clone()
