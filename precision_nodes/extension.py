@@ -1,13 +1,13 @@
 """The V3 extension: the pack's node classes and its one-time registrations (HTTP routes, start-up sweep)."""
 from __future__ import annotations
 
-from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, probe, resolution, train, train_routes
+from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, preview_node, probe, resolution, train, train_routes
 from .comfy_io import ComfyExtension, io
 
 # A module that fails to import fails the pack loudly (ComfyUI prints IMPORT FAILED), which the e2e tests
 # look for.
 PRODUCT_NODES: list[type[io.ComfyNode]] = [
-    *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *loss_graph.NODES, *probe.NODES,
+    *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *preview_node.NODES, *loss_graph.NODES, *probe.NODES,
 ]
 # Each register() is idempotent: HTTP routes, and the sweep of stale temporary files.
 REGISTRATIONS = (train_routes.register, lora_routes.register, model_info.register, housekeeping.register)

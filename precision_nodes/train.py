@@ -20,7 +20,8 @@ from .train_captions import with_empty_caption
 from .train_data import build_samples
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
-from .types import LossMapType, TrainingStateType, TrainSettingsType
+from .train_preview import PreviewStepHook, make_previewer, node_outputs
+from .types import LossMapType, PreviewSettingsType, TrainingStateType, TrainSettingsType
 
 log = logging.getLogger(__name__)
 DEFAULTS = TrainSettings()
@@ -222,6 +223,8 @@ class PrecisionTrainLoRA(PrecisionNode):
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
                 io.String.Input("resume_from", default="", optional=True,
                                 tooltip="Checkpoint to resume from, as LoRA loaders list it (e.g. my_run/my_run_step000100.safetensors); plain names in output/precision_lora/checkpoints still work (empty = none)."),
+                PreviewSettingsType.Input("preview", optional=True,
+                                          tooltip="From PrecisionPreviewSettings: sample images every N steps, shown on this node and saved as output/precision_lora/previews/<name>/<name>_step<N>_<i>.png. Training is identical with or without."),
                 io.Conditioning.Input("empty_conditioning", optional=True,
                                       tooltip="The empty caption (CLIPTextEncode with an empty text) for caption_dropout in the settings; needed only when caption_dropout > 0."),
             ],
@@ -230,13 +233,14 @@ class PrecisionTrainLoRA(PrecisionNode):
                 TrainingStateType.Output(display_name="training_state", tooltip="Connect to the next PrecisionTrainLoRA to continue."),
                 LossMapType.Output(display_name="loss_map", tooltip="Loss history of the whole run ({'loss': [...]})."),
                 io.Int.Output(display_name="steps", tooltip="Optimizer steps done in the whole run."),
+                io.Image.Output(display_name="previews", tooltip="The images of the latest preview (a black 64 x 64 image without 'preview')."),
             ],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
-                training_state=None, resume_from=None, empty_conditioning=None) -> io.NodeOutput:
+                training_state=None, resume_from=None, preview=None, empty_conditioning=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
         state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
@@ -246,9 +250,11 @@ class PrecisionTrainLoRA(PrecisionNode):
         hidden = getattr(cls, "hidden", None)
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
         start = state.step if state is not None else 0
+        previewer = make_previewer(out, lora_set, preview, name, node_id, start, steps)
         job = start_job(node_id, prompt_id, [] if state is None else [
             {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], _client_id())
-        hooks = Hooks(on_step=_step_hook(job, node_id, prompt_id, steps, start),
+        on_step = _step_hook(job, node_id, prompt_id, steps, start)
+        hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
                       is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
         result = None
@@ -267,9 +273,12 @@ class PrecisionTrainLoRA(PrecisionNode):
         if result.reason == "interrupt":
             mm.interrupt_current_processing(False)
             raise mm.InterruptProcessingException()
+        if previewer is not None:
+            previewer.raise_if_failed(checkpoint)
         if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
             raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}")
-        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step)
+        images, shown = node_outputs(previewer)
+        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
@@ -278,6 +287,8 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         samples = build_samples(model, latents, conditioning, class_conditioning, device)
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)
+        if isinstance(hooks.on_step, PreviewStepHook):
+            hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
             return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
         except ValueError as exc:

@@ -108,7 +108,7 @@ def attach(model, targets: str, include: str = "", rank: int = 8):
 def train(model, latent, cond, steps: int, settings):
     with torch.inference_mode():
         return node("PrecisionTrainLoRA").execute([model], [latent], [cond], [steps], [0], ["anima"],
-                                                  settings=[settings]).result
+                                                  settings=[settings]).result[:4]
 
 
 def stock_patches(model, path: str, caplog, keep=lambda key: True):

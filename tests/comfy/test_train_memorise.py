@@ -83,7 +83,7 @@ def test_the_node_itself_halves_the_loss_on_fixed_evaluation_draws(pack_module):
     before = _eval_loss(pack_module, attached, latent, cond, settings)
     with torch.inference_mode():
         trained, _, losses, steps = train.PrecisionTrainLoRA.execute(
-            [attached], [latent], [cond], [50], [0], ["memorise"], settings=[settings]).result
+            [attached], [latent], [cond], [50], [0], ["memorise"], settings=[settings]).result[:4]
     after = _eval_loss(pack_module, trained, latent, cond, settings)
     assert steps == 50 and len(losses["loss"]) == 50
     assert after <= 0.5 * before, f"evaluation loss {before:.4f} -> {after:.4f}"
