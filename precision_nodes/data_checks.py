@@ -1,8 +1,10 @@
 """Checks of LATENT and CONDITIONING inputs against the model they are used with (train and probe).
 
 A latent or a conditioning made for another model used to reach the forward and fail there with torch's
-own words ("mat1 and mat2 shapes cannot be multiplied", "too many values to unpack": issue 13, D7). These
-return a phrase ``"<what is wrong>; <fix>"`` (or None) that the node prefixes with its name and input.
+own words ("mat1 and mat2 shapes cannot be multiplied (154x768 and 64x64)", "too many values to unpack").
+These return a phrase ``"<what is wrong>; <fix>"`` (or None) that the node prefixes with its name and input.
+Widths are read from the loaded model (its unet config, or the module that takes the text), so a resized
+or pruned model is checked against what it really takes.
 """
 from __future__ import annotations
 
@@ -12,10 +14,19 @@ import torch
 
 from .model_info import describe_model
 
-# Families whose text-conditioning width the unet config states (others are not checked here).
+# Text width the unet config states, per family (others are read from modules or not checked).
 _CONTEXT_KEYS = {"flux": "context_in_dim", "flux2": "context_in_dim", "chroma": "context_in_dim",
                  "cosmos_predict2": "crossattn_emb_channels"}
 _POOLED_KEYS = {"flux": "vec_in_dim", "chroma": "vec_in_dim"}
+
+# The text encoder each family was trained with, as the user loads it in ComfyUI.
+ENCODERS = {
+    "flux1": "Flux.1 needs CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
+    "flux2": "Flux.2 needs its own text encoder (CLIPLoader, type flux2: Mistral-Small-3 for Flux.2 dev)",
+    "chroma": "Chroma needs T5-XXL (CLIPLoader, type chroma)",
+    "cosmos_predict2": "Cosmos-Predict2 needs the old T5-XXL (CLIPLoader, type cosmos)",
+    "anima": "Anima needs Qwen3 0.6B (CLIPLoader with the Qwen3-0.6B file)",
+}
 
 
 def latent_problem(model: Any, samples: Any) -> str | None:
@@ -34,29 +45,62 @@ def latent_problem(model: Any, samples: Any) -> str | None:
     return None
 
 
-def _width(model: Any, keys: dict[str, str]) -> int | None:
+def _config_width(model: Any, keys: dict[str, str]) -> int | None:
     cfg = model.model.model_config.unet_config
     key = keys.get(cfg.get("image_model"))
     value = cfg.get(key) if key else None
     return int(value) if value else None
 
 
+def context_width(model: Any) -> int | None:
+    """Width of the text conditioning ``model`` takes, or None where it is not known."""
+    width = _config_width(model, _CONTEXT_KEYS)
+    if width is not None:
+        return width
+    adapter = getattr(model.model.diffusion_model, "llm_adapter", None)  # Anima: its adapter reads the text
+    try:
+        return int(adapter.blocks[0].cross_attn.k_proj.weight.shape[1])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _needs(family: str) -> str:
+    encoder = ENCODERS.get(family)
+    return f"; {encoder}" if encoder else ""
+
+
 def conditioning_problem(model: Any, cond: Any) -> str | None:
-    """Why ``cond`` (one CONDITIONING) cannot condition ``model``, or None."""
-    if not isinstance(cond, list) or not cond or not isinstance(cond[0], (list, tuple)) or len(cond[0]) < 2 \
-            or not isinstance(cond[0][0], torch.Tensor) or not isinstance(cond[0][1], dict):
+    """Why ``cond`` (one CONDITIONING, every entry) cannot condition ``model``, or None."""
+    if not isinstance(cond, list) or not cond:
         return "is not a CONDITIONING; connect a text encoder's output (or PrecisionDemoConditioning)"
-    ctx, extra = cond[0][0], cond[0][1]
+    for entry in cond:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not isinstance(entry[0], torch.Tensor) \
+                or not isinstance(entry[1], dict):
+            return "is not a CONDITIONING; connect a text encoder's output (or PrecisionDemoConditioning)"
+    for ctx, extra in (entry[:2] for entry in cond):
+        problem = _entry_problem(model, ctx, extra)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _entry_problem(model: Any, ctx: torch.Tensor, extra: dict) -> str | None:
     family = describe_model(model).family
-    width = _width(model, _CONTEXT_KEYS)
+    width = context_width(model)
     if ctx.ndim != 3 or (width is not None and ctx.shape[-1] != width):
         expected = f"(B, tokens, {width})" if width else "(B, tokens, width)"
-        return (f"has context shape {tuple(ctx.shape)} but this model ({family}) expects {expected}: it was "
-                "encoded for another model; connect conditioning from this model's text encoder")
-    pooled, want = extra.get("pooled_output"), _width(model, _POOLED_KEYS)
+        got = f"got width {ctx.shape[-1]}" if ctx.ndim == 3 else f"got {ctx.ndim} dimensions"
+        return (f"has context shape {tuple(ctx.shape)} but this model ({family}) expects {expected}: it was encoded "
+                f"for another model; connect conditioning from this model's text encoder (expected width "
+                f"{width if width else 'of this model'}, {got}){_needs(family)}")
+    pooled, want = extra.get("pooled_output"), _config_width(model, _POOLED_KEYS)
+    if want is not None and family == "flux1" and not isinstance(pooled, torch.Tensor):
+        return (f"has no pooled_output, which this model ({family}) reads (width {want}, from CLIP-L): it was "
+                f"encoded for another model; connect conditioning from this model's text encoder{_needs(family)}")
     if want is not None and isinstance(pooled, torch.Tensor) and pooled.shape[-1] != want:
         return (f"has pooled_output shape {tuple(pooled.shape)} but this model ({family}) expects width {want}: "
-                "it was encoded for another model; connect conditioning from this model's text encoder")
+                f"it was encoded for another model; connect conditioning from this model's text encoder "
+                f"(expected width {want}, got width {pooled.shape[-1]}){_needs(family)}")
     if ctx.is_floating_point() and not bool(torch.isfinite(ctx).all()):
         return "holds NaN/inf; encode the prompt again (check the text encoder and its dtype)"
     return None

@@ -26,15 +26,29 @@ def settings_of(result: ProbeResult) -> dict[str, object]:
             "multiplier": result.scale / result.base_scale if result.base_scale else 1.0, "softclamp": cfg.softclamp}
 
 
-def _check(model, latent, conditioning) -> None:
-    """The latent and conditioning fit this model (another model's would fail inside the forward)."""
-    samples = latent.get("samples") if isinstance(latent, dict) else None
-    problem = latent_problem(model, samples)
-    if problem is not None:
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'latent' {problem}")
-    problem = conditioning_problem(model, conditioning)
-    if problem is not None:
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'conditioning' {problem}")
+def _err(input_name: str, message: str) -> ValueError:
+    return ValueError(f"[Precision LoRA] {NODE}: input '{input_name}' {message}")
+
+
+def pick(model, latents: list, conditionings: list) -> tuple[dict, list, str]:
+    """The LATENT and CONDITIONING one probe forward uses: the first LATENT (a dataset list gives one per
+    image) and the conditioning that goes with it, checked against this model; and a note saying which."""
+    if not latents:
+        raise _err("latent", "is empty: connect a LATENT (VAE Encode, or MakeTrainingDataset's latents)")
+    if not conditionings:
+        raise _err("conditioning", "is empty: connect a CONDITIONING (your text encoder's output)")
+    for i, latent in enumerate(latents):
+        samples = latent.get("samples") if isinstance(latent, dict) else None
+        problem = latent_problem(model, samples)
+        if problem is not None:
+            raise _err("latent", f"item {i} {problem}" if len(latents) > 1 else problem)
+    for i, cond in enumerate(conditionings):
+        problem = conditioning_problem(model, cond)
+        if problem is not None:
+            raise _err("conditioning", f"item {i} {problem}" if len(conditionings) > 1 else problem)
+    note = "" if len(latents) == 1 else (
+        f"probed the first of {len(latents)} LATENTs (with its conditioning); one forward measures one input")
+    return latents[0], conditionings[0], note
 
 
 class PrecisionProbe(PrecisionNode):
@@ -53,7 +67,8 @@ class PrecisionProbe(PrecisionNode):
             inputs=[
                 io.Model.Input("model", tooltip="Model to probe, optionally with a Precision LoRA attached or "
                                "loaded and attention patched; its current settings are measured."),
-                io.Latent.Input("latent", tooltip="Latents of your training images (the first batch is used)."),
+                io.Latent.Input("latent", tooltip="Latents of your training images (the first LATENT of a list is used, "
+                                "with its conditioning)."),
                 io.Conditioning.Input("conditioning", tooltip="Conditioning for the latents (your caption)."),
                 io.Float.Input("noise_level", default=0.5, min=NOISE_RANGE[0], max=NOISE_RANGE[1], step=0.01,
                                tooltip="Where in the noise schedule to probe: near 1 = almost pure noise, near "
@@ -64,16 +79,20 @@ class PrecisionProbe(PrecisionNode):
             ],
             outputs=[io.String.Output(display_name="report"), io.Image.Output(display_name="chart")],
             is_output_node=True,
+            # A dataset list (MakeTrainingDataset) arrives whole: one report, not one run per item.
+            is_input_list=True,
         )
 
     @classmethod
-    def execute(cls, model, latent, conditioning, noise_level: float, seed: int, max_rows: int) -> io.NodeOutput:
-        _check(model, latent, conditioning)
+    def execute(cls, model, latent, conditioning, noise_level, seed, max_rows) -> io.NodeOutput:
+        model, noise_level, seed, max_rows = model[0], noise_level[0], seed[0], max_rows[0]
+        latent, conditioning, picked = pick(model, latent, conditioning)
         result = probe_model(model, latent, conditioning, noise_level, seed, max_rows)
         attention = {k: v.as_dict() for k, v in result.attention.items()}
-        notes = [] if not result.weight_patches else [
-            f"{result.weight_patches} weights carry ComfyUI patches (a merged LoRA): merged deltas cannot be measured "
-            "as adapters; load the LoRA with PrecisionLoadLoRA mode=fp32 to probe it."]
+        notes = [picked] if picked else []
+        if result.weight_patches:
+            notes.append(f"{result.weight_patches} weights carry ComfyUI patches (a merged LoRA): merged deltas "
+                         "cannot be measured as adapters; load the LoRA with PrecisionLoadLoRA mode=fp32 to probe it.")
         report = format_report(result.lora, attention, settings_of(result), result.sigma, notes)
         chart = draw_probe_chart(summarize(result.lora), attention)
         log.info("[Precision LoRA] probe: %d LoRA layers, %d attention calls", len(result.lora), len(attention))

@@ -5,6 +5,8 @@ Defaults come from ``TrainSettings``; every option list from the registry that i
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any, Callable, Mapping
 
 import comfy.model_management as mm
@@ -17,7 +19,7 @@ from ..training.settings import NAN_POLICIES, TrainSettings
 from .checks import PrecisionNode
 from .comfy_io import io
 from .train_captions import with_empty_caption
-from .train_data import build_samples
+from .train_data import build_dataset
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
 from .train_preview import PreviewStepHook, make_previewer, node_outputs
@@ -159,10 +161,43 @@ def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
     return (None if node_id is None else str(node_id)), (ctx.prompt_id if ctx is not None else None)
 
 
+class ConsoleLine:
+    """One console line every ``every`` steps (a twentieth of the run), or after ``seconds`` without one,
+    and at the last step: step, loss smoothed over the recent steps, lr, it/s and time left."""
+
+    def __init__(self, steps: int, start: int, seconds: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.steps, self.start, self.seconds, self.clock = steps, start, seconds, clock
+        self.every = max(1, steps // 20)
+        self.began = self.last = clock()
+        self.smooth, self.weight = 0.0, 0.0
+
+    def line(self, r: StepReport) -> str | None:
+        if r.loss is not None and math.isfinite(r.loss):  # skipped / non-finite steps do not move the average
+            self.smooth, self.weight = 0.9 * self.smooth + 0.1 * r.loss, 0.9 * self.weight + 0.1
+        now = self.clock()
+        if r.local_step % self.every and r.local_step < self.steps and now - self.last < self.seconds:
+            return None
+        self.last = now
+        rate = r.local_step / max(now - self.began, 1e-9)
+        eta = (self.steps - r.local_step) / rate if rate > 0 else 0.0
+        loss = f"{self.smooth / self.weight:.4g}" if self.weight else "n/a"
+        return (f"[Precision LoRA] PrecisionTrainLoRA: step {r.step}/{self.start + self.steps} loss {loss} "
+                f"(smoothed) lr {r.lr:.3g} {rate:.2f} it/s ETA {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, start: int) -> Callable[[StepReport], str | None]:
     pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
+    console = ConsoleLine(steps, start)
 
     def on_step(r: StepReport) -> str | None:
+        line = console.line(r)
+        if line is not None:
+            log.info(line)
         point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
         job.add_point(point)
         _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
@@ -284,7 +319,10 @@ class PrecisionTrainLoRA(PrecisionNode):
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None):
     with training_session(model, lora_set, cfg) as device:
-        samples = build_samples(model, latents, conditioning, class_conditioning, device)
+        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device)
+        for line in report.lines():
+            log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
+        lora_set.info["precision_lora_dataset"] = report.summary()
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)
         if isinstance(hooks.on_step, PreviewStepHook):

@@ -91,7 +91,7 @@ def test_probe_output_bit_identical_and_lora_gains_match_direct_computation():
     assert got["merge"] == pytest.approx(expected["merge"], rel=1e-6)
     assert got["add_bf16"] == pytest.approx(expected["add_bf16"], rel=1e-6)
     assert got["fp32_unmerged"] == pytest.approx(expected["fp32_unmerged"], abs=0.02)
-    # At rms(dW)/rms(W) ~ 1e-3 bf16 really loses signal while the fp32 path keeps it (PRECISION.md §1).
+    # At rms(dW)/rms(W) ~ 1e-3 bf16 really loses signal while the fp32 path keeps it; docs/lora.md shows the numbers.
     assert result.lora[path].rho < 3e-3
     assert got["merge"] < 0.6 and got["fp32_unmerged"] > got["merge"] + 0.3
     assert set(result.lora) == set(pack_module("precision_nodes.lora_glue").get_lora_set(model).paths())
@@ -165,7 +165,7 @@ def test_probe_says_when_a_lora_is_merged_as_comfy_patches(pack):
     assert model.add_patches({key: (torch.full_like(weight, 1e-3),)}, 1.0) == [key]
     node = node_class("PrecisionProbe")
     with torch.inference_mode():
-        out = node.execute(model, make_latent(model), make_conditioning(model), 0.5, 0, 64)
+        out = node.execute([model], [make_latent(model)], [make_conditioning(model)], [0.5], [0], [64])
     report = out.result[0]
     assert "1 weights carry ComfyUI patches" in report and "No Precision LoRA is attached" in report
 
@@ -177,7 +177,31 @@ def test_latent_or_conditioning_of_another_model_is_named(pack):
     cosmos, flux = tiny_cosmos(), tiny_flux1()
     with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionProbe: input 'latent' has shape \(1, 16, 8, 8\) "
                                          r"but this model \(cosmos_predict2\) expects \(B, C, T, H, W\) with C=16"):
-        node.execute(cosmos, make_latent(flux), make_conditioning(cosmos), 0.5, 0, 64)
+        node.execute([cosmos], [make_latent(flux)], [make_conditioning(cosmos)], [0.5], [0], [64])
     with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionProbe: input 'conditioning' has context shape "
                                          r"\(1, 8, 1024\) but this model \(flux1\) expects \(B, tokens, 64\)"):
-        node.execute(flux, make_latent(flux), make_conditioning(cosmos), 0.5, 0, 64)
+        node.execute([flux], [make_latent(flux)], [make_conditioning(cosmos)], [0.5], [0], [64])
+    with pytest.raises(ValueError, match=r"^\[Precision LoRA\] PrecisionProbe: input 'conditioning' item 1 has context "
+                                         r"shape \(1, 8, 1024\) .* \(expected width 64, got width 1024\); Flux.1 needs "
+                                         r"CLIP-L \+ T5-XXL \(DualCLIPLoader, type flux\)"):
+        node.execute([flux], [make_latent(flux)], [make_conditioning(flux), make_conditioning(cosmos)], [0.5], [0], [64])
+
+
+def test_probe_fed_dataset_lists_runs_once_with_one_report(pack):
+    """Issue 14: a 3-image dataset list into the Probe ran it once per item (6 reports); it now takes the
+    lists whole, probes the first LATENT with its conditioning and says so in its one report."""
+
+    node = node_class("PrecisionProbe")
+    assert node.define_schema().is_input_list is True
+    model = tiny_flux1()
+    latents = [make_latent(model, seed=i) for i in range(3)]
+    conds = [make_conditioning(model, text=f"caption {i}") for i in range(3)]
+    with torch.inference_mode():
+        out = node.execute([model], latents, conds, [0.5], [0], [64])
+        first = node.execute([model], latents[:1], conds[:1], [0.5], [0], [64])
+    assert len(out.result) == 2 and isinstance(out.result[0], str)
+    assert "probed the first of 3 LATENTs (with its conditioning)" in out.result[0]
+    assert "probed the first" not in first.result[0]
+    # the same forward as probing the first item alone: the report differs only by the note
+    assert [line for line in out.result[0].splitlines() if "probed the first" not in line] == \
+        first.result[0].splitlines()
