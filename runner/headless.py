@@ -277,7 +277,7 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
         try:
             executor = execution.PromptExecutor(stand_in, cache_type=execution.CacheType.CLASSIC,
                                                 cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
-            with _ctrl_c_cancels(mm, say):
+            with _ctrl_c_cancels(mm, say, parallel is not None):
                 executor.execute(prompt, prompt_id, {}, targets)
         finally:
             comfy_server.PromptServer.instance = previous
@@ -293,9 +293,11 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
 
 
 @contextlib.contextmanager
-def _ctrl_c_cancels(mm, say: Callable[[str], None]):
+def _ctrl_c_cancels(mm, say: Callable[[str], None], parallel: bool):
     """The first Ctrl-C is the UI's Cancel (the train node finishes its step, writes a checkpoint and ends);
-    a second one stops at once. Only in the main thread, where Python delivers signals."""
+    a second one stops at once. Only in the main thread, where Python delivers signals. Under torchrun
+    (which passes Ctrl-C on to every rank) the cancel goes through ``training.distributed`` so that all
+    ranks stop at the same step boundary, none in the middle of a step."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -306,7 +308,10 @@ def _ctrl_c_cancels(mm, say: Callable[[str], None]):
         if len(presses) > 1:
             raise KeyboardInterrupt
         say("cancelling: the current step finishes and a checkpoint is written (Ctrl-C again to quit now)")
-        mm.interrupt_current_processing(True)
+        if parallel:
+            distributed.request_cancel()
+        else:
+            mm.interrupt_current_processing(True)
 
     old = signal.signal(signal.SIGINT, handler)
     try:
@@ -367,6 +372,7 @@ def main(workflow: str, steps: int | None, resume: str | None) -> int:
         print(str(exc), file=sys.stderr, flush=True)
         return 2
     if not result.success:
-        print(f"{PROG}: {result.error}", file=sys.stderr, flush=True)
+        rank = f" (rank {os.environ['RANK']})" if distributed.launched_by_torchrun() and "RANK" in os.environ else ""
+        print(f"{PROG}{rank}: {result.error}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -108,7 +108,7 @@ class DataParallel:
             action = on_step(report) if on_step is not None else None
             if action not in _ACTIONS:
                 return action  # the loop rejects it with a clear error on this rank
-            return self.agree(action)
+            return self.agree("interrupt" if _cancel_requested else action)
 
         save = hooks.save_checkpoint if self.is_main else (None if hooks.save_checkpoint is None else _no_write)
         return replace(hooks, on_step=agreed, save_checkpoint=save)
@@ -150,6 +150,15 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 # ---- the process's run: set up from torchrun's environment ----
 
 _active: DataParallel | None = None
+# Set by ``request_cancel`` (a signal handler): every rank then ends at the same step boundary. A cancel
+# that aborted one rank in the middle of a step would leave the others waiting in an all-reduce.
+_cancel_requested = False
+
+
+def request_cancel() -> None:
+    """Ask every rank to end the run after the current step (with a checkpoint, as a cancel in the UI)."""
+    global _cancel_requested
+    _cancel_requested = True
 
 
 def active() -> DataParallel | None:
@@ -183,7 +192,7 @@ def activate(device: torch.device, timeout_s: float | None = None) -> DataParall
 
 def deactivate() -> None:
     """Leave the process group (at the end of a run, also after an error)."""
-    global _active
-    _active = None
+    global _active, _cancel_requested
+    _active, _cancel_requested = None, False
     if dist.is_initialized():
         dist.destroy_process_group()

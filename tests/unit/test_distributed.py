@@ -65,6 +65,7 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--die-at", type=int, default=0, help="rank 1 kills itself after this step")
+    ap.add_argument("--cancel-at", type=int, default=0, help="rank 1 asks for a cancel after this step")
     args = ap.parse_args(argv)
     par = distributed.activate(torch.device("cpu"), timeout_s=float(os.environ.get("TEST_DIST_TIMEOUT", 60)))
     net = ToyNet(DIM)
@@ -78,12 +79,16 @@ def worker(argv: list[str]) -> None:
     def on_step(report):
         if args.die_at and par.rank == 1 and report.step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.cancel_at and par.rank == 1 and report.step == args.cancel_at:
+            distributed.request_cancel()  # what the runner's Ctrl-C handler does
         return None
 
     try:
         result = train(net.lora, _data(), toy_fns(net), _settings(checkpoint_every=args.checkpoint_every),
                        steps=args.steps, seed=5, hooks=Hooks(on_step=on_step, save_checkpoint=save))
         save_state(os.path.join(args.out, f"final_rank{par.rank}.state.pt"), result.state)
+        with open(os.path.join(args.out, f"reason_rank{par.rank}.txt"), "w") as f:
+            f.write(result.reason)
     finally:
         distributed.deactivate()
 
@@ -200,6 +205,17 @@ def test_a_killed_rank_ends_the_run_and_leaves_the_last_checkpoint_intact(tmp_pa
     last = load_state(os.path.join(out, written[-1]))
     assert last.step == 4
     assert _losses(_one_process(4, state=last)) == pytest.approx(_losses(_one_process(8)), rel=RTOL)
+
+
+@pytest.mark.slow
+def test_a_cancel_on_one_rank_ends_every_rank_at_the_same_step_with_a_checkpoint(tmp_path) -> None:
+    out = str(tmp_path)
+    proc = _torchrun(out, "--steps", "8", "--cancel-at", "3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert open(os.path.join(out, f"reason_rank{rank}.txt")).read() == "interrupt"
+        assert load_state(os.path.join(out, f"final_rank{rank}.state.pt")).step == 3
+    assert sorted(f for f in os.listdir(out) if f.startswith("ck_")) == ["ck_003.state.pt"]  # rank 0's only
 
 
 def test_torchrun_is_available() -> None:
