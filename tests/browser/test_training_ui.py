@@ -76,6 +76,14 @@ FOCUS_NODE = """(id) => {
 }"""
 
 
+DESELECT = """() => {
+  const canvas = window.comfyAPI.app.app.canvas;
+  (canvas.deselectAll ?? canvas.deselectAllNodes).call(canvas);
+  canvas.setDirty(true, true);
+  return true;
+}"""
+
+
 def _run_from_page(page, server) -> dict:
     """Presses Run; returns the history entry of the prompt it queued once the queue is idle again."""
     _, before = server.get("/history")
@@ -133,6 +141,9 @@ def training_run(comfy_page, comfy_server):
     facts["wrong_node_message"] = page.wait_for(
         f"""() => {{ const t = ({CHART_STATE})({SECOND_TRAIN}).message; return /not training now/.test(t) ? t : false; }}""",
         timeout=30)
+    # Clicking on the second node selected it; its selection toolbox (drawn above it) can cover the bottom of
+    # the first node, where its buttons are. A user clicks the empty canvas first; so does the test.
+    page.evaluate(DESELECT)
     page.call("click", selector=f'{_chart(FIRST_TRAIN)} button[data-precision-action="checkpoint"]')
     facts["checkpoint_message"] = page.wait_for(
         f"""() => {{ const t = ({CHART_STATE})({FIRST_TRAIN}).message; return /checkpoint requested/.test(t) ? t : false; }}""",
@@ -146,7 +157,7 @@ def training_run(comfy_page, comfy_server):
     page.screenshot("train_04_stopped", selector=_chart(FIRST_TRAIN))
     fit_view(page)
     page.screenshot("train_05_finished")
-    facts["checkpoints"] = sorted(glob.glob(os.path.join(comfy_server.base_dir, "output", "**", "*.safetensors"),
+    facts["checkpoints"] = sorted(glob.glob(os.path.join(comfy_server.base_dir, "models", "loras", "**", "*_step*.safetensors"),
                                             recursive=True))
     facts["pack_errors"] = page.pack_errors()
     return facts
@@ -181,8 +192,8 @@ def test_checkpoint_now_writes_a_checkpoint_file(training_run):
     assert "checkpoint requested at step" in message, message
     requested = int(re.search(r"at step (\d+)", message).group(1))
     stopped_at = int(training_run["stopped_state"]["status"].split("step ")[1].split("/")[0])
-    ckpts = [p for p in training_run["checkpoints"] if os.sep + "checkpoints" + os.sep in p]
-    steps = sorted(int(m.group(1)) for p in ckpts if (m := re.search(r"_s(\d+)", os.path.basename(p))))
+    ckpts = training_run["checkpoints"]  # models/loras/<run name>/<run name>_step<N>.safetensors
+    steps = sorted(int(m.group(1)) for p in ckpts if (m := re.search(r"_step(\d+)", os.path.basename(p))))
     assert steps, ckpts
     # one written right after the requested step, before Stop (which may write its own at the end)
     assert any(requested <= st < stopped_at for st in steps), (requested, stopped_at, steps)
