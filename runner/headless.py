@@ -152,11 +152,16 @@ def stage_resume(path: str, checkpoint_folder: str) -> str:
 # ---- progress on the console ----
 
 class Progress:
-    """Turns the train node's step events into console lines: step, loss, learning rate, time per step, ETA."""
+    """Turns the train node's step events into console lines: step, loss, learning rate, time per step, ETA.
 
-    def __init__(self, echo: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
-        self.echo, self.clock = echo, clock
+    A node's first and last steps always get a line, the others at most one per ``every_s`` seconds (a
+    long run at many steps a second would otherwise scroll the console away)."""
+
+    def __init__(self, echo: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 every_s: float = 1.0) -> None:
+        self.echo, self.clock, self.every_s = echo, clock, every_s
         self.started: dict[str, tuple[float, int]] = {}
+        self.last_line = float("-inf")
 
     def event(self, name: str, data: Any) -> None:
         if name == "precision_lora.train_step" and isinstance(data, dict):
@@ -169,7 +174,11 @@ class Progress:
     def _step(self, d: dict) -> None:
         node, step, total = str(d.get("node")), int(d.get("step") or 0), int(d.get("total") or 0)
         now = self.clock()
+        first = node not in self.started
         t0, s0 = self.started.setdefault(node, (now, step - 1))
+        if not (first or step >= total or now - self.last_line >= self.every_s):
+            return
+        self.last_line = now
         done = step - s0
         per = (now - t0) / (done - 1) if done > 1 else None  # the first step's time includes the model load
         loss = "skipped (non-finite)" if d.get("loss") is None else f"{d['loss']:.6f}"
@@ -232,10 +241,11 @@ def _error_text(messages: list) -> str:
 
 
 def run(prompt: dict, steps: int | None = None, resume: str | None = None,
-        echo: Callable[[str], None] | None = None) -> RunResult:
+        echo: Callable[[str], None] | None = None, progress_every_s: float = 1.0) -> RunResult:
     """Execute the training part of ``prompt`` (see the module docstring). ``steps`` overrides every train
     node's steps; ``resume`` (a training state file, or a checkpoint name) feeds the first train node.
-    Under ``torchrun`` this process joins the data-parallel run for the duration of the call."""
+    Under ``torchrun`` this process joins the data-parallel run for the duration of the call. Progress
+    lines go to ``echo`` (default: print), at most one per ``progress_every_s`` seconds per node."""
     import execution
     import folder_paths
     import server as comfy_server
@@ -273,7 +283,7 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
         output = [folder_paths.get_output_directory(), *folder_paths.get_folder_paths("loras")]
         before = _output_files(output)
         previous = getattr(comfy_server.PromptServer, "instance", None)
-        comfy_server.PromptServer.instance = stand_in = ProgressServer(Progress(say) if main else None)
+        comfy_server.PromptServer.instance = stand_in = ProgressServer(Progress(say, every_s=progress_every_s) if main else None)
         try:
             executor = execution.PromptExecutor(stand_in, cache_type=execution.CacheType.CLASSIC,
                                                 cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})

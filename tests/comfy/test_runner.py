@@ -73,7 +73,7 @@ def _lora_written(result) -> str:
 @pytest.mark.parametrize("path", RUNNABLE, ids=os.path.basename)
 def test_runner_writes_the_lora_the_whole_workflow_writes(headless, one_thread, path) -> None:
     lines: list[str] = []
-    result = headless.run(_prompt(path, "a"), echo=lines.append)
+    result = headless.run(_prompt(path, "a"), echo=lines.append, progress_every_s=0)
     assert result.success, result.error
     by_runner = _tensors(_lora_written(result))
     graph = run_graph(_prompt(path, "b"))  # the whole graph (sampling and previews too), as the server runs it
@@ -103,7 +103,8 @@ def test_runner_resume_continues_the_identical_run(headless, one_thread) -> None
     outside = os.path.join(os.path.dirname(os.path.dirname(ck[0])), "moved_ck.state.pt")
     os.replace(ck[0], outside)
     lines: list[str] = []
-    resumed = headless.run(_prompt(path, "resumed", steps=2), resume=outside, echo=lines.append)  # 3..4, 5..6
+    resumed = headless.run(_prompt(path, "resumed", steps=2), resume=outside, echo=lines.append,  # 3..4, 5..6
+                           progress_every_s=0)
     assert resumed.success, resumed.error
     assert any("step 3/4" in ln for ln in lines) and any("step 6/6" in ln for ln in lines), lines
     a, b = _tensors(_lora_written(whole)), _tensors(_lora_written(resumed))
@@ -126,7 +127,7 @@ def test_ctrl_c_cancels_like_the_ui_with_a_checkpoint(headless, one_thread) -> N
         if " step 2/" in line:
             os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in the terminal sends
 
-    result = headless.run(_prompt(DEMO_TRAIN, "ctrl_c", steps=4), echo=echo)
+    result = headless.run(_prompt(DEMO_TRAIN, "ctrl_c", steps=4), echo=echo, progress_every_s=0)
     assert not result.success and "interrupted" in result.error, result.error
     assert any(ln.startswith("cancelling:") for ln in lines), lines
     states = [p for p in result.written if re.search(r"_s(tep)?0*2\.state\.pt$", p)]
@@ -178,10 +179,21 @@ def test_training_part_leaves_out_sampling_and_overrides_apply(headless) -> None
 def test_progress_lines_give_step_loss_and_eta(headless) -> None:
     lines: list[str] = []
     now = iter([10.0, 12.0, 14.0, 16.0])
-    progress = headless.Progress(lines.append, clock=lambda: next(now))
+    progress = headless.Progress(lines.append, clock=lambda: next(now), every_s=0)
     for step, loss in ((1, 0.5), (2, None), (3, 0.25), (4, 0.125)):
         progress.event("precision_lora.train_step", {"node": "7", "step": step, "total": 10, "loss": loss, "lr": 1e-4})
     assert lines[0] == "[train 7] step 1/10  loss 0.500000  lr 0.0001"
     assert lines[1].startswith("[train 7] step 2/10  loss skipped (non-finite)")
     # the first step (model load included) is left out of the rate: 2 s/step, 6 steps left at step 4
     assert lines[3] == "[train 7] step 4/10  loss 0.125000  lr 0.0001  2.00 s/step  ETA 0:00:12"
+
+
+def test_progress_lines_are_throttled_but_keep_first_and_last(headless) -> None:
+    lines: list[str] = []
+    clock = iter([0.1 * i for i in range(30)])
+    progress = headless.Progress(lines.append, clock=lambda: next(clock), every_s=1.0)
+    for step in range(1, 31):  # 30 steps at 0.1 s each
+        progress.event("precision_lora.train_step", {"node": "7", "step": step, "total": 30, "loss": 0.5, "lr": 1e-4})
+    shown = [int(ln.split()[3].split("/")[0]) for ln in lines]
+    assert shown[0] == 1 and shown[-1] == 30
+    assert 3 <= len(shown) <= 5, shown  # about one per second of the 2.9 s, not 30
