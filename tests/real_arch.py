@@ -170,7 +170,8 @@ def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[s
         elif kind == "DualCLIPLoader":
             assert (inputs["clip_name1"], inputs["clip_name2"], inputs["type"]) == (
                 SHIPPED["clip_l"], SHIPPED["t5"], "flux"), inputs
-            out[nid] = {"class_type": "CLIPLoader", "inputs": {"clip_name": CLIP_L_NAME, "type": "stable_diffusion"}}
+            out[nid] = {"class_type": "CLIPLoader",
+                       "inputs": {"clip_name": CLIP_L_NAME, "type": "stable_diffusion", "device": inputs["device"]}}
             edits.append(f"{nid}: DualCLIPLoader -> CLIPLoader")
         elif kind == "PrecisionLoadLoRA" and lora_name is not None:
             inputs["lora_name"] = lora_name
