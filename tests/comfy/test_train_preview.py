@@ -1,9 +1,8 @@
 """Previews during training (issue 14 item 4): PrecisionPreviewSettings -> PrecisionTrainLoRA's ``preview``.
 
-Tiny Flux.1 model (tests/models.py) and a tiny real-architecture VAE built at test time: ComfyUI's TAESD
-(the architecture of the released taef1 previewer) with 16 latent channels and seeded random weights, loaded
-through ``comfy.sd.VAE`` as Load VAE loads a file. The weights are scaled so that the decoded images sit
-inside [0, 1] instead of saturating (torch's default init does), so a trained LoRA visibly changes them.
+Tiny Flux.1 model (tests/models.py) and a tiny real-architecture VAE built at test time (tests/preview_vae.py:
+ComfyUI's TAESD with 16 latent channels and seeded random weights), loaded through ``comfy.sd.VAE`` as Load VAE
+loads a file.
 """
 from __future__ import annotations
 
@@ -15,23 +14,9 @@ import torch
 from PIL import Image
 
 from models import make_conditioning, make_latent, tiny_flux1
+from preview_vae import tiny_vae
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_vae(channels: int = 16, seed: int = 0):
-    import comfy.sd
-    import comfy.taesd.taesd as taesd
-
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for key, value in taesd.TAESD(latent_channels=channels).state_dict().items():
-        if value.ndim == 4:  # conv weights: unit gain, so activations neither die nor saturate
-            sd[key] = torch.randn(value.shape, generator=gen) * 1.2 / value[0].numel() ** 0.5
-        else:
-            sd[key] = torch.zeros_like(value) if key.endswith("bias") else value
-    sd["taesd_decoder.19.bias"] += 0.5  # mid-grey images
-    return comfy.sd.VAE(sd=sd)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +120,31 @@ def test_training_is_bit_identical_with_previews_on_off_chained_and_resumed(env)
     # chained 2 x 5 = 1 x 10 above; it previewed at 0, 2, 4, 5 (end of the first node), 6, 8, 10
     steps = sorted({f.split("_step")[1][:6] for f in os.listdir(_folder("pv_chain"))})
     assert steps == ["000000", "000002", "000004", "000005", "000006", "000008", "000010"]
+
+
+def test_chained_and_resumed_runs_stay_bit_identical_with_previews_and_caption_dropout_on(env):
+    empty = make_conditioning(env.model, 1, text="", tokens=3)
+
+    def settings(**kw):
+        return env.Settings(learning_rate=1e-2, caption_dropout=0.5, **kw)
+
+    pv = _preview(env, every_n_steps=2, at_start=True)
+    plain = _train(env, 10, "pvcd_plain", settings=env.Settings(learning_rate=1e-2))
+    ref = _train(env, 10, "pvcd_ref", pv, settings=settings(), empty_conditioning=empty)
+    assert ref.result[2]["loss"] != plain.result[2]["loss"]  # dropout is really on: some steps saw the empty caption
+    a = _train(env, 5, "pvcd_chain", pv, settings=settings(), empty_conditioning=empty)
+    b = _train(env, 5, "pvcd_chain", pv, model=a.result[0], training_state=a.result[1], settings=settings(),
+               empty_conditioning=empty)
+    _same_training(env, ref, b)
+    _train(env, 5, "pvcd_resume", pv, settings=settings(checkpoint_every=5), empty_conditioning=empty)
+    c = _train(env, 5, "pvcd_resume2", pv, resume_from="pvcd_resume/pvcd_resume_step000005.safetensors",
+               settings=settings(), empty_conditioning=empty)
+    _same_training(env, ref, c)
+    # the previews themselves came out the same way: one run of 10 and the chained 2 x 5 at the shared steps
+    for step in (0, 2, 4, 6, 8, 10):
+        one = np.asarray(Image.open(os.path.join(_folder("pvcd_ref"), f"pvcd_ref_step{step:06d}_0.png")))
+        two = np.asarray(Image.open(os.path.join(_folder("pvcd_chain"), f"pvcd_chain_step{step:06d}_0.png")))
+        assert np.array_equal(one, two), step
 
 
 def test_sampling_runs_without_gradients_dropout_or_in_training_and_restores_them(env, monkeypatch):
