@@ -143,6 +143,18 @@ def _send(event: str, data: dict) -> None:
         instance.send_sync(event, data, getattr(instance, "client_id", None))
 
 
+def _show_on_node(text: str, node_id: str | None) -> None:
+    """Text under the node in the page for the rest of the run: ComfyUI's progress text, which both supported
+    frontends draw as a read-only text widget on the executing node (ComfyUI's own nodes show sizes with it)."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is not None and node_id is not None and hasattr(instance, "send_progress_text"):
+        instance.send_progress_text(text, node_id, _client_id())
+
+
 def _client_id() -> str | None:
     """The client that queued the running prompt (ComfyUI sets it on the server while a prompt executes)."""
     try:
@@ -295,7 +307,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
-                          empty_conditioning)
+                          empty_conditioning, node_id)
         finally:
             finish_job(job, stopped=result is not None and result.stopped)
         checkpoint = result.checkpoints[-1] if result.checkpoints else None
@@ -317,11 +329,12 @@ class PrecisionTrainLoRA(PrecisionNode):
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
-         state: TrainingState | None, hooks: Hooks, empty_conditioning=None):
+         state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None):
     with training_session(model, lora_set, cfg) as device:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device)
         for line in report.lines():
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
+        _show_on_node("\n".join(report.lines()), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)
