@@ -1,0 +1,249 @@
+"""Sample images during training, seen in the page (issue 14 item 4): the demo training workflow plus a
+Precision Preview Settings node (Load VAE with a tiny real-architecture VAE written at test time, the demo
+conditioning as prompt, every 2 steps) wired to the first Train LoRA. While the run goes on the node shows the
+live preview (ComfyUI's progress preview, as KSampler's) and the dataset report (ComfyUI's progress text); the
+preview PNGs land on disk with the step in their names.
+
+Where the frontends keep a node's live preview: both 1.32 (ComfyUI 0.3.75) and 1.49 (0.33) store the blob URLs
+of the latest ``b_preview_with_metadata`` in ``app.nodePreviewImages[<node locator id>]`` (the node id for a
+node of the root graph) and draw them on the node; progress text becomes the node's read-only
+``$$node-text-preview`` widget.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, fit_view
+
+pytestmark = pytest.mark.browser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIRST_TRAIN, SECOND_TRAIN, CONDITIONING = 7, 11, 6  # node ids in workflows/train_lora_demo.json
+VAE_FILE = "precision_preview_taesd.safetensors"
+RUN_NAME = "preview_ui"
+LONG_RUN_STEPS = 2000  # far more than the test waits for: Stop ends it
+
+
+@pytest.fixture(scope="module")
+def vae_file(comfy_server):
+    from server_harness import server_env
+
+    path = os.path.join(comfy_server.base_dir, "models", "vae", VAE_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "preview_vae.py"), path], check=True,
+                   env=server_env(), timeout=300)
+    return path
+
+
+# Adds Load VAE + Precision Preview Settings and wires them as a user would (LiteGraph calls).
+ADD_PREVIEW = """([trainId, condId, vaeName]) => {
+  const app = window.comfyAPI.app.app;
+  const train = app.graph.getNodeById(trainId);
+  const cond = app.graph.getNodeById(condId);
+  const vae = window.LiteGraph.createNode("VAELoader");
+  app.graph.add(vae);
+  vae.pos = [train.pos[0] - 700, train.pos[1] + 420];
+  vae.widgets.find((w) => w.name === "vae_name").value = vaeName;
+  const pv = window.LiteGraph.createNode("PrecisionPreviewSettings");
+  app.graph.add(pv);
+  pv.pos = [train.pos[0] - 380, train.pos[1] + 420];
+  const set = { steps: 2, width: 64, height: 64, batch_size: 1, seed: 7, every_n_steps: 2, at_start: false,
+                at_end: true };
+  for (const [name, value] of Object.entries(set)) pv.widgets.find((w) => w.name === name).value = value;
+  cond.connect(0, pv, pv.findInputSlot("positive"));
+  vae.connect(0, pv, pv.findInputSlot("vae"));
+  pv.connect(0, train, train.findInputSlot("preview"));
+  app.graph.setDirtyCanvas(true, true);
+  return { vae: vae.id, preview: pv.id, linked: train.inputs[train.findInputSlot("preview")].link != null };
+}"""
+
+SET_WIDGET = """([id, name, value]) => {
+  const node = window.comfyAPI.app.app.graph.getNodeById(id);
+  const w = node.widgets.find((x) => x.name === name);
+  w.value = value;
+  return w.value;
+}"""
+
+# Truthy once the running Train LoRA node holds a live preview (and its chart says it is still training).
+LIVE_PREVIEW = """(id) => {
+  const app = window.comfyAPI.app.app;
+  const urls = app.nodePreviewImages?.[String(id)];
+  const root = document.querySelector(`.precision-lora-train[data-node-id="${id}"]`);
+  if (!urls?.length || !root || root.dataset.done === "true") return false;
+  const node = app.graph.getNodeById(id);
+  const text = node.widgets?.find((w) => w.name === "$$node-text-preview")?.value ?? null;
+  return { urls: [...urls], status: root.querySelector("[data-precision-status]").textContent, text };
+}"""
+
+# Loads the node's current live preview as an image (a URL may be revoked when the next preview replaces it).
+PREVIEW_IMAGE = """async (id) => {
+  const urls = window.comfyAPI.app.app.nodePreviewImages?.[String(id)];
+  if (!urls?.length) return null;
+  const img = new Image();
+  const ok = await new Promise((r) => { img.onload = () => r(true); img.onerror = () => r(false); img.src = urls[0]; });
+  return ok ? { url: urls[0], width: img.naturalWidth, height: img.naturalHeight } : null;
+}"""
+
+FOCUS_NODE = """(id) => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.getNodeById(id);
+  const ds = app.canvas.ds;
+  ds.scale = 1;
+  ds.offset[0] = -node.pos[0] + 140;
+  ds.offset[1] = -node.pos[1] + 120;
+  app.canvas.setDirty(true, true);
+  return true;
+}"""
+
+DESELECT = """() => {
+  const canvas = window.comfyAPI.app.app.canvas;
+  (canvas.deselectAll ?? canvas.deselectAllNodes).call(canvas);
+  canvas.setDirty(true, true);
+  return true;
+}"""
+
+CHART_DONE = """(id) => {
+  const root = document.querySelector(`.precision-lora-train[data-node-id="${id}"]`);
+  return root && root.dataset.done === "true" ? root.querySelector("[data-precision-status]").textContent : false;
+}"""
+
+
+MOVE_DOWN = """([id, dy]) => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.getNodeById(id);
+  node.pos = [node.pos[0], node.pos[1] + dy];
+  app.graph.setDirtyCanvas(true, true);
+  return true;
+}"""
+
+# What the node draws: the loaded preview images (node.imgs) and the widgets that hold them and the text.
+NODE_DRAWING = """(id) => {
+  const node = window.comfyAPI.app.app.graph.getNodeById(id);
+  return { imgs: (node.imgs || []).map((i) => [i.naturalWidth, i.naturalHeight]), size: [...node.size],
+           widgets: (node.widgets || []).map((w) => [w.name, w.y ?? null, w.computedHeight ?? null]) };
+}"""
+
+
+def _previews_dir(server) -> str:
+    return server.output_path("precision_lora", "previews", RUN_NAME)
+
+
+def _preview_steps(server) -> list[int]:
+    folder = _previews_dir(server)
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted({int(m.group(1)) for n in names if (m := re.fullmatch(rf"{RUN_NAME}_step(\d+)_0\.png", n))})
+
+
+def _wait_idle(server, timeout: float = 240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        _, queue = server.get("/queue")
+        if not queue["queue_running"] and not queue["queue_pending"]:
+            _, hist = server.get("/history?max_items=1")
+            if hist:
+                return next(iter(hist.values()))
+        time.sleep(0.5)
+    raise TimeoutError(f"queue not idle after {timeout}s:\n{server.log_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def preview_run(comfy_page, comfy_server, vae_file):
+    page, server = comfy_page, comfy_server
+    page.console(clear=True)
+    with open(os.path.join(ROOT, "workflows", "train_lora_demo.json")) as f:
+        text = f.read()
+    page.evaluate("async () => { await window.comfyAPI.app.app.refreshComboInNodes(); return true; }")
+    page.evaluate(CLEAR_TOASTS)
+    page.evaluate(DROP_WORKFLOW, {"name": "train_lora_demo.json", "text": text})
+    state = page.wait_for(GRAPH_LOADED, sorted(n["id"] for n in json.loads(text)["nodes"]), timeout=60)
+    assert state["missingNodes"] == [] and state["dialogs"] == [] and state["toasts"] == [], state
+    facts = {"added": page.evaluate(ADD_PREVIEW, [FIRST_TRAIN, CONDITIONING, VAE_FILE])}
+    assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
+    assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "name", RUN_NAME]) == RUN_NAME
+    assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
+    # The first Train LoRA grows by the report text and the preview image (about 280 px); the demo graph has the
+    # second one right below it, which would be drawn over them. Move it down, as a user would.
+    page.evaluate(MOVE_DOWN, [SECOND_TRAIN, 320])
+    fit_view(page)
+    page.screenshot("preview_01_wired")
+
+    page.call("click", selector='[data-testid="queue-button"]')
+    facts["live"] = page.wait_for(LIVE_PREVIEW, FIRST_TRAIN, timeout=180)
+    _, queue = server.get("/queue")
+    facts["running_when_seen"] = len(queue["queue_running"])
+    facts["image"] = None
+    for _ in range(20):  # the URL seen may be replaced (and revoked) by the next preview before it loads
+        facts["image"] = page.evaluate(PREVIEW_IMAGE, FIRST_TRAIN)
+        if facts["image"]:
+            break
+        time.sleep(0.2)
+    facts["text"] = page.wait_for(
+        f"""() => {{ const n = window.comfyAPI.app.app.graph.getNodeById({FIRST_TRAIN});
+            const v = n.widgets?.find((w) => w.name === "$$node-text-preview")?.value;
+            return v && /dataset:/.test(v) ? v : false; }}""", timeout=30)
+    deadline = time.time() + 120  # two previews written (steps 2 and 4) while the run goes on
+    while len(_preview_steps(server)) < 2 and time.time() < deadline:
+        time.sleep(0.3)
+    facts["steps_while_running"] = _preview_steps(server)
+    page.evaluate(FOCUS_NODE, FIRST_TRAIN)
+    page.evaluate("() => new Promise((r) => setTimeout(() => requestAnimationFrame(() => r(true)), 300))")
+    page.screenshot("preview_02_live_on_node")
+    facts["drawn"] = page.evaluate(NODE_DRAWING, FIRST_TRAIN)
+
+    page.evaluate(DESELECT)
+    page.call("click", selector=f'.precision-lora-train[data-node-id="{FIRST_TRAIN}"] button[data-precision-action="stop"]')
+    facts["stopped"] = page.wait_for(CHART_DONE, FIRST_TRAIN, timeout=60)
+    facts["history"] = _wait_idle(server)
+    fit_view(page)
+    page.screenshot("preview_03_finished")
+    facts["steps_after"] = _preview_steps(server)
+    facts["pack_errors"] = page.pack_errors()
+    return facts
+
+
+def test_the_preview_settings_node_is_wired_to_train_lora(preview_run):
+    assert preview_run["added"]["linked"] is True
+
+
+def test_a_preview_image_appears_on_the_node_while_it_trains(preview_run):
+    live = preview_run["live"]
+    assert live["urls"] and all(u.startswith("blob:") for u in live["urls"]), live
+    assert preview_run["running_when_seen"] == 1  # seen before the queue was idle: the run was still going
+    assert "step" in live["status"] and "stopped" not in live["status"], live
+    image = preview_run["image"]
+    # one 64 x 64 image per preview; ComfyUI's server fits the live image into the max size the node asks for
+    # (1024 px), enlarging small ones too
+    assert image and image["width"] == image["height"] == 1024, image
+    # and the node draws it: loaded into node.imgs, in the image widget below the report text
+    drawn = preview_run["drawn"]
+    names = [w[0] for w in drawn["widgets"]]
+    assert drawn["imgs"] and "$$canvas-image-preview" in names, drawn
+    assert names.index("$$node-text-preview") < names.index("$$canvas-image-preview"), drawn
+
+
+def test_the_dataset_report_is_shown_on_the_node(preview_run):
+    text = preview_run["text"]
+    assert text.startswith("dataset: 2 samples from 1 LATENT input; sizes "), text
+    assert "captions: 1 conditioning for all 2 samples" in text, text
+
+
+def test_preview_pngs_are_saved_with_the_step_in_their_names(preview_run):
+    while_running = preview_run["steps_while_running"]
+    assert while_running[:2] == [2, 4], while_running  # every 2 steps
+    after = preview_run["steps_after"]
+    assert all(s % 2 == 0 for s in after[:-1]) and after[:len(while_running)] == while_running, after
+    stopped_at = int(re.search(r"step (\d+)", preview_run["stopped"]).group(1))
+    assert after[-1] <= stopped_at, (after, preview_run["stopped"])
+
+
+def test_the_run_completes_and_no_pack_script_errors(preview_run):
+    status = preview_run["history"]["status"]
+    assert status["status_str"] == "success", json.dumps(status)[:3000]
+    assert preview_run["pack_errors"] == []
