@@ -34,11 +34,11 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def _is_widget(spec: list) -> bool:
+def _is_widget(spec: list, forced_too: bool = False) -> bool:
     kind, opts = spec[0], (spec[1] if len(spec) > 1 else {}) or {}
     if isinstance(kind, list):
         return True
-    return kind in WIDGET_TYPES and not opts.get("forceInput")
+    return kind in WIDGET_TYPES and (forced_too or not opts.get("forceInput"))
 
 
 def _has_control_widget(name: str, spec: list) -> bool:
@@ -65,9 +65,13 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
         order = info.get("input_order") or {k: list(v) for k, v in info["input"].items() if k != "hidden"}
         names = [*order.get("required", []), *order.get("optional", [])]
         values = list(node.get("widgets_values") or [])
+        # A file saved by a frontend whose schema still had a now force-input STRING as a widget (0.3.75's
+        # MakeTrainingDataset.texts; 0.33 forces it to a socket) carries its value too: count it then.
+        plain = sum(1 + int(_has_control_widget(n, specs[n])) for n in names if _is_widget(specs[n]))
+        forced_too = len(values) > plain
         inputs, i = dict(FRONTEND_PROMPT_WIDGETS.get(node["type"], {})), 0
         for name in names:
-            if _is_widget(specs[name]):
+            if _is_widget(specs[name], forced_too):
                 assert i < len(values), f"node {node['id']} ({node['type']}): no widget value for {name}"
                 inputs[name] = values[i]
                 i += 1 + int(_has_control_widget(name, specs[name]))
