@@ -85,9 +85,10 @@ def _settings_inputs() -> list:
         io.Boolean.Input("gradient_checkpointing", default=DEFAULTS.gradient_checkpointing,
                          tooltip="Recompute every transformer block but the last in backward: far less activation "
                                  "memory for more time per step (bench/train.py measures both)."),
-        _float("caption_dropout", 0.0, 1.0, 0.01,
-               "Probability of training a sample on the empty caption at each step (seeded; 0 = off, 0.05 .. 0.1 "
-               "typical). Needs empty_conditioning on Train LoRA."),
+        # Optional: API workflows saved before this input existed still validate (and get the default, off).
+        io.Float.Input("caption_dropout", default=DEFAULTS.caption_dropout, min=0.0, max=1.0, step=0.01, optional=True,
+                       tooltip="Probability of training a sample on the empty caption at each step (seeded; 0 = "
+                               "off, 0.05 .. 0.1 typical). Needs empty_conditioning on Train LoRA."),
     ]
 
 
@@ -107,9 +108,10 @@ class PrecisionTrainSettings(PrecisionNode):
     @classmethod
     def check(cls, values: dict) -> str | None:
         """Rules across inputs (warmup vs schedule, ...) and whether the optimizer is installed."""
-        if any(values.get(f) is None for f in DEFAULTS.to_dict()):
+        fields = [f for f in DEFAULTS.to_dict() if f in values]  # an optional input left out takes its default
+        if any(values[f] is None for f in fields):
             return None  # a linked input: checked again when the node runs
-        built = build_settings({f: values[f] for f in DEFAULTS.to_dict()})
+        built = build_settings({f: values[f] for f in fields})
         return built if isinstance(built, str) else None
 
     @classmethod

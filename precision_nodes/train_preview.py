@@ -255,7 +255,9 @@ class Previewer:
         for i, image in enumerate(images):
             self.saved.append((step, save_png(image, folder, f"{self.name}_step{step:06d}_{i}")))
         self.latest = images
-        self.pbar.update_absolute(step - self.start, self.steps, preview=("PNG", grid(images), LIVE_MAX_SIZE))
+        sheet = grid(images)
+        # ComfyUI fits the preview into max_size both ways (a 64 px sheet would be sent as 1024 px): never upscale.
+        self.pbar.update_absolute(step - self.start, self.steps, preview=("PNG", sheet, min(LIVE_MAX_SIZE, max(sheet.size))))
         log.info("[Precision LoRA] preview at step %d: %d image(s) in %s", step, len(images), folder)
 
     def wrap(self, on_step: Callable[[Any], str | None]) -> PreviewStepHook:

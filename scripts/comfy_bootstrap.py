@@ -168,6 +168,9 @@ class _StandInServer:
         self.last_prompt_id = None
         self.routes = web.RouteTableDef()
         self.supports = set()
+        # ComfyUI 0.33's built-in nodes register node replacements on the server at load: nothing to replace
+        # without a frontend, but the call must not fail (it printed an error on every in-process start).
+        self.node_replace_manager = _NoNodeReplacements()
 
     def send_sync(self, event, data, sid=None) -> None:
         self.events.append((event, data, sid))
@@ -176,10 +179,15 @@ class _StandInServer:
         self.events.append(("progress_text", {"text": text, "node": node_id}, sid))
 
 
+class _NoNodeReplacements:
+    def register(self, *args, **kwargs) -> None:
+        pass
+
+
 def load_pack_in_process(base_dir: str):
     """Load this pack through ComfyUI's own custom-node loader; returns the pack's module.
 
-    Sub-modules are then importable as ``<returned module>.__name__ + ".nodes.x"``.
+    Sub-modules are then importable as ``<returned module>.__name__ + ".precision_nodes.x"``.
     """
     import asyncio
 

@@ -54,6 +54,23 @@ def test_the_settings_node_offers_caption_dropout_off_by_default(mods):
     assert mods.train.build_settings({"caption_dropout": 1.5}).startswith("TrainSettings.caption_dropout=1.5")
 
 
+def test_an_api_workflow_saved_before_caption_dropout_still_validates_and_runs_with_it_off():
+    """caption_dropout is an optional input: a prompt without it (every API workflow exported before it existed)
+    is not refused as 'Required input is missing', and the settings it builds have dropout off."""
+    import json
+
+    from comfy_harness import run_graph
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "workflows", "api", "train_lora_demo.json")) as f:
+        prompt = json.load(f)
+    settings_id = next(k for k, v in prompt.items() if v["class_type"] == "PrecisionTrainSettings")
+    assert prompt[settings_id]["inputs"].pop("caption_dropout") == 0.0  # the shipped file has it
+    result = run_graph(prompt, outputs=[settings_id])
+    assert result["success"], result["messages"]
+    assert result["outputs"][settings_id][0][0].caption_dropout == 0.0
+
+
 def test_dropout_changes_training_and_p1_trains_on_the_empty_caption(mods, setup):
     _, _, off, _ = _run(mods, setup, 4, 0.0)
     _, _, on, _ = _run(mods, setup, 4, 0.5)
