@@ -35,10 +35,9 @@ def _inputs() -> list:
         io.Float.Input("cfg", default=_default("cfg"), min=0.0, max=100.0, step=0.1,
                        tooltip="Classifier-free guidance scale; 1.0 skips the negative (Flux: 1.0, guidance is in "
                                "the conditioning)."),
-        io.Int.Input("width", default=_default("width"), min=16, max=8192, step=16,
-                     tooltip="Image width in pixels: a multiple of the model's latent cell x patch (Flux: 16)."),
-        io.Int.Input("height", default=_default("height"), min=16, max=8192, step=16,
-                     tooltip="Image height in pixels: a multiple of the model's latent cell x patch (Flux: 16)."),
+        *(io.Int.Input(side, default=_default(side), min=16, max=8192, step=16,
+                       tooltip=f"Image {side} in pixels: a multiple of the model's latent cell x patch (Flux: 16).")
+          for side in ("width", "height")),
         io.Int.Input("batch_size", default=_default("batch_size"), min=1, max=16, step=1,
                      tooltip="Images per preview (consecutive noise of the same seed, as KSampler's batch)."),
         io.Int.Input("seed", default=_default("seed"), min=0, max=0xFFFFFFFFFFFFFFFF, step=1,
