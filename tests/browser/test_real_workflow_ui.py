@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, PROMPT_OF_GRAPH, fit_view, normalise_prompt
-from test_training_ui import CHART_STATE, _run_from_page
+from test_training_ui import CHART_STATE, _cached_nodes, _run_from_page
 
 pytestmark = pytest.mark.browser
 
@@ -103,4 +103,10 @@ def test_real_training_workflow_runs_after_picking_names(comfy_page, comfy_serve
     assert chart["points"] >= 10, chart
     fit_view(page)
     page.screenshot("real_train_02_finished")
+
+    # Issue 14: two more Runs of the unchanged graph train nothing (ComfyUI serves Train LoRA from its cache).
+    again = [_run_from_page(page, comfy_server) for _ in range(2)]
+    assert all(r["status"]["status_str"] == "success" for r in again), [r["status"] for r in again]
+    train_id = str(ids["PrecisionTrainLoRA"])
+    assert all(train_id in _cached_nodes(r) for r in again), [sorted(_cached_nodes(r)) for r in again]
     assert page.pack_errors() == []
