@@ -105,6 +105,7 @@ function renderView(view) {
     drawChart(view.canvas, series);
     view.status.textContent = statusText(series);
     view.root.dataset.done = String(series.done);
+    view.root.dataset.promptId = series.promptId ?? ""; // which run the chart shows (tests wait on it)
     if (series.checkpoint) view.message.textContent = `checkpoint: ${series.checkpoint}`;
     view.node.setDirtyCanvas?.(true, false);
   });

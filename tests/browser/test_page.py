@@ -17,7 +17,7 @@ def test_extensions_register_once_and_log_no_errors(comfy_page):
     listed = comfy_page.evaluate("async () => (await (await fetch('/extensions')).json())"
                                  ".filter((n) => n.includes('/extensions/comfyui-precision-lora/'))")
     shipped = ("train_chart.js", "lora_info.js", "scale_display.js", "seed_default.js", "lib/series.js",
-               "lib/lora_meta.js", "lib/scale.js", "lib/hooks.js")
+               "lib/lora_meta.js", "lib/scale.js", "lib/hooks.js", "lib/chart_owner.js")
     for f in shipped:
         assert any(s.endswith("/" + f) for s in listed), (f, listed)
     assert len(listed) == len(shipped), f"only shipped modules belong under web/: {listed}"

@@ -51,11 +51,15 @@ CHART_STATE = """(id) => {
   };
 }"""
 
-POINTS_AT_LEAST = """([id, n]) => {
+POINTS_AT_LEAST = """([id, n, notPrompt]) => {
   const root = document.querySelector(`.precision-lora-train[data-node-id="${id}"]`);
   const p = Number(root?.querySelector("canvas")?.dataset.points || 0);
+  // notPrompt: the run the chart showed before Run was pressed (the same file dropped again keeps its graph
+  // id, so its earlier run's points are on the node until the new run's first step replaces them)
+  if (notPrompt !== undefined && (root?.dataset.promptId ?? "") === notPrompt) return false;
   return p >= n ? p : false;
 }"""
+SHOWN_PROMPT = """(id) => document.querySelector(`.precision-lora-train[data-node-id="${id}"]`)?.dataset.promptId ?? ''"""
 
 SET_WIDGET = """([id, name, value]) => {
   const node = window.comfyAPI.app.app.graph.getNodeById(id);
@@ -122,8 +126,9 @@ def training_run(comfy_page, comfy_server):
     assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
     fit_view(page)
     page.screenshot("train_01_loaded")
+    shown = page.evaluate(SHOWN_PROMPT, FIRST_TRAIN)
     page.call("click", selector='[data-testid="queue-button"]')
-    facts = {"points_running": page.wait_for(POINTS_AT_LEAST, [FIRST_TRAIN, 10], timeout=120)}
+    facts = {"points_running": page.wait_for(POINTS_AT_LEAST, [FIRST_TRAIN, 10, shown], timeout=120)}
     page.evaluate(FOCUS_NODE, FIRST_TRAIN)
     page.screenshot("train_02_chart_running")
     page.screenshot("train_02_chart_widget", selector=_chart(FIRST_TRAIN))

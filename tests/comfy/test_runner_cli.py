@@ -41,7 +41,9 @@ def test_comfyui_options_follow_a_double_dash(cli) -> None:
 def test_each_local_rank_gets_its_own_gpu(cli, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # set (to "no list"), not deleted: monkeypatch only restores what it recorded, and _pin_gpu writes the
+    # variable, which would otherwise leak into every later subprocess of this test session (torchrun ranks)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     cli._pin_gpu()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # the user's own list is indexed, not replaced
