@@ -21,14 +21,14 @@ import time
 import pytest
 
 from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, fit_view
+from test_training_ui import FIRST_TRAIN, LONG_RUN_STEPS, SECOND_TRAIN, _wait_idle
 
 pytestmark = pytest.mark.browser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIRST_TRAIN, SECOND_TRAIN, CONDITIONING = 7, 11, 6  # node ids in workflows/train_lora_demo.json
+CONDITIONING = 6  # node id in workflows/train_lora_demo.json (the train nodes: test_training_ui)
 VAE_FILE = "precision_preview_taesd.safetensors"
 RUN_NAME = "preview_ui"
-LONG_RUN_STEPS = 2000  # far more than the test waits for: Stop ends it
 
 
 @pytest.fixture(scope="module")
@@ -139,18 +139,6 @@ def _preview_steps(server) -> list[int]:
     folder = _previews_dir(server)
     names = os.listdir(folder) if os.path.isdir(folder) else []
     return sorted({int(m.group(1)) for n in names if (m := re.fullmatch(rf"{RUN_NAME}_step(\d+)_0\.png", n))})
-
-
-def _wait_idle(server, timeout: float = 240) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        _, queue = server.get("/queue")
-        if not queue["queue_running"] and not queue["queue_pending"]:
-            _, hist = server.get("/history?max_items=1")
-            if hist:
-                return next(iter(hist.values()))
-        time.sleep(0.5)
-    raise TimeoutError(f"queue not idle after {timeout}s:\n{server.log_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,20 @@ def pack_module(pack):
     return comfy_harness.pack_module
 
 
+@pytest.fixture(scope="session")
+def train_mods(pack_module):
+    """The modules the training-node tests reach into."""
+    class M:
+        glue = pack_module("precision_nodes.lora_glue")
+        train = pack_module("precision_nodes.train")
+        tglue = pack_module("precision_nodes.train_glue")
+        jobs = pack_module("precision_nodes.train_jobs")
+        lora = pack_module("lora.config")
+        ckpt = pack_module("training.checkpoint")
+        Settings = pack_module("training.settings").TrainSettings
+    return M
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread: on 2 shared cores, training loops run several times faster than oversubscribed."""

@@ -13,13 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def mods(pack_module):
-    class M:
-        glue = pack_module("precision_nodes.lora_glue")
-        train = pack_module("precision_nodes.train")
-        lora = pack_module("lora.config")
-        Settings = pack_module("training.settings").TrainSettings
-    return M
+def mods(train_mods):
+    return train_mods
 
 
 @pytest.fixture(scope="module")

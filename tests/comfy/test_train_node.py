@@ -21,16 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def mods(pack_module):
-    class M:
-        glue = pack_module("precision_nodes.lora_glue")
-        train = pack_module("precision_nodes.train")
-        tglue = pack_module("precision_nodes.train_glue")
-        jobs = pack_module("precision_nodes.train_jobs")
-        lora = pack_module("lora.config")
-        ckpt = pack_module("training.checkpoint")
-        Settings = pack_module("training.settings").TrainSettings
-    return M
+def mods(train_mods):
+    return train_mods
 
 
 def _setup(mods, family: str, rank: int = 4):
