@@ -15,8 +15,9 @@ output (..., out_features). Fused projections (qkv) are ordinary wide linears he
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +28,49 @@ from .linear import base_linear_fp32, low_precision_dtype, output_dtype
 
 
 class DropoutRNG:
-    """Explicit per-device generators for the dropouts (never the global seed)."""
+    """Explicit per-device generators for the dropouts (never the global seed).
+
+    In a data-parallel run each process computes only its rows of the global batch; ``global_rows`` tells
+    the masks so (``mask_shape``): a mask is then drawn for the whole global batch, from the same generator
+    state and with the same call one process makes, and the process keeps its own rows. So every process
+    applies exactly the rows of the mask one process would draw, and every generator advances exactly as
+    one process's does. Outside ``global_rows`` (one process) masks are drawn as they always were.
+    """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._gens: dict[str, torch.Generator] = {}
+        self._rows: tuple[int, int, int] | None = None  # (start, stop, total) batch rows of this process
+
+    @contextlib.contextmanager
+    def global_rows(self, start: int, stop: int, total: int) -> Iterator[None]:
+        """Within the body the layers see batch rows ``start:stop`` of a global batch of ``total`` rows
+        (forward and backward: a recomputation under activation checkpointing must draw the same way)."""
+        if not 0 <= start < stop <= total:
+            raise ValueError(f"[Precision LoRA] DropoutRNG.global_rows({start}, {stop}, {total}): "
+                             "need 0 <= start < stop <= total (a process without rows draws nothing)")
+        previous, self._rows = self._rows, (start, stop, total)
+        try:
+            yield
+        finally:
+            self._rows = previous
+
+    def mask_shape(self, shape: Sequence[int]) -> tuple[tuple[int, ...], slice | None]:
+        """(shape to draw, this process's slice of its first dimension, or None to keep all of it).
+
+        A layer input's first dimension is batch-major: the batch itself (b, ...) or batch x tokens
+        flattened (b * t, ...). If it is a multiple k of this process's row count, the global draw has k
+        rows per batch row and this process keeps ``k*start:k*stop``. A 1-D input, or a first dimension
+        that does not scale with the batch (a shared (1, ...) tensor), is drawn as one process draws it."""
+        shape = tuple(shape)
+        if self._rows is None or len(shape) < 2:
+            return shape, None
+        start, stop, total = self._rows
+        local = stop - start
+        if local == total or shape[0] % local:
+            return shape, None
+        k = shape[0] // local
+        return (k * total, *shape[1:]), slice(k * start, k * stop)
 
     def get(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -104,7 +143,11 @@ class LoRAAdapter(nn.Module):
         return bool(torch.rand((), generator=self._rng.get(device), device=device) < self.module_dropout)
 
     def _mask(self, shape: Sequence[int], p: float, ref: torch.Tensor) -> torch.Tensor:
-        keep = torch.empty(shape, dtype=torch.float32, device=ref.device).bernoulli_(1.0 - p, generator=self._rng.get(ref.device))
+        # data parallel: the global batch's mask (same call, same generator state as one process), our rows
+        full, rows = self._rng.mask_shape(shape)
+        keep = torch.empty(full, dtype=torch.float32, device=ref.device).bernoulli_(1.0 - p, generator=self._rng.get(ref.device))
+        if rows is not None:
+            keep = keep[rows]
         return keep / (1.0 - p)
 
     def _down(self, h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Every rank holds the whole (frozen) base model and the same LoRA. Each step every rank draws the whole
 global batch's randomness (data order, noise, timesteps) from the same seeded generator, so the generators
 never diverge, and computes the forward and backward of its own contiguous share of the rows only
-(``rows``). ``reduce`` then sums the LoRA gradients and the loss parts over the ranks, so every rank
+(``rows``). LoRA dropout masks follow the same rule inside the layers: each is drawn for the whole global
+batch and the rank keeps its rows (``lora.layer.DropoutRNG.global_rows``); a rank that gets no row of a
+group takes the dropout generators' state from the last rank (``from_last``), which always has one. ``reduce`` then sums the LoRA gradients and the loss parts over the ranks, so every rank
 applies the same update: the gradient of the global batch, as one process would have computed it, up to
 the order of fp32 additions (one process sums all rows inside one matmul; here each rank sums its rows and
 the all-reduce adds the partial sums). The parameters, the optimizer state and the generators therefore
@@ -91,6 +93,16 @@ class DataParallel:
                 dist.all_reduce(flat, group=self.group)
                 _unflatten_into(flat, bucket)
         return out
+
+    def from_last(self, obj: Any) -> Any:
+        """``obj`` as the last rank holds it, on every rank (small picklable values: generator states).
+
+        The last rank is never without rows (``rows``: its share of n >= 1 rows is not empty), so after a
+        group too small for every rank to get a row, its generators are the ones that advanced."""
+        src = self.world - 1 if self.group is None else dist.get_global_rank(self.group, self.world - 1)
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
 
     def agree(self, action: str | None) -> str | None:
         """The request every rank follows this step: the strongest any rank made (stop > checkpoint)."""

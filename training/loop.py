@@ -7,6 +7,7 @@ or restored from a ``TrainingState``, so N + M chained steps equal N + M steps i
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -187,11 +188,26 @@ class _Run:
         u = sample_u(s.sampler, len(ids), self.gen)
         sigma = fns.sigma_of_u(u)
         mean_sigma = float(sigma.float().mean())
-        if self.parallel is not None:  # the whole group's randomness was drawn above: take this rank's rows
-            rows = self.parallel.rows(len(ids))
-            ids, x0, noise, u, sigma = ids[rows], x0[rows], noise[rows], u[rows], sigma[rows]
-            if not ids:
-                return torch.zeros(()), torch.zeros(()), mean_sigma
+        if self.parallel is None:
+            return (*self._loss_backward(ids, x0, noise, u, sigma, batch, dop_on, empty), mean_sigma)
+        # The whole group's randomness was drawn above: take this rank's rows. The LoRA dropout masks are
+        # drawn inside the layers, for the whole group too (the rows context), forward and backward.
+        n = len(ids)
+        rows = self.parallel.rows(n)
+        ids, x0, noise, u, sigma = ids[rows], x0[rows], noise[rows], u[rows], sigma[rows]
+        loss, dop = torch.zeros(()), torch.zeros(())
+        if ids:
+            with _global_rows(self.module, rows.start, rows.stop, n):
+                loss, dop = self._loss_backward(ids, x0, noise, u, sigma, batch, dop_on, empty)
+        if n < self.parallel.world and _dropout_rng(self.module) is not None:
+            # a rank without rows drew no masks: it continues from the generators of one that did
+            _set_extra_rng(self.module, self.parallel.from_last(_get_extra_rng(self.module)))
+        return loss, dop, mean_sigma
+
+    def _loss_backward(self, ids: list[int], x0: torch.Tensor, noise: torch.Tensor, u: torch.Tensor,
+                       sigma: torch.Tensor, batch: int, dop_on: bool,
+                       empty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        fns, s = self.fns, self.s
         x_t = fns.noise_latent(sigma, noise, x0)
         target = fns.target(sigma, noise, x0)
         share = len(ids) / batch
@@ -205,7 +221,7 @@ class _Run:
                 prior = fns.predict_base(x_t, sigma, ccond)  # type: ignore[misc]
             dop = s.dop_multiplier * (fns.predict(x_t, sigma, ccond).float() - prior.float()).pow(2).mean() * share
         ((loss + dop) / s.grad_accum).backward()
-        return loss.detach(), dop.detach(), mean_sigma
+        return loss.detach(), dop.detach()
 
     def _micro_batch(self, dop_on: bool, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
         n = len(self.data)
@@ -309,6 +325,19 @@ def _get_extra_rng(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's own generators (a LoRASet's dropout RNG: ``rng.get_state()``), else none."""
     rng = getattr(module, "rng", None)
     return rng.get_state() if hasattr(rng, "get_state") else {}
+
+
+def _dropout_rng(module: nn.Module) -> Any:
+    """The module's dropout generators when it has them (a LoRASet's ``rng``), else None."""
+    rng = getattr(module, "rng", None)
+    return rng if hasattr(rng, "get_state") and hasattr(rng, "set_state") else None
+
+
+def _global_rows(module: nn.Module, start: int, stop: int, total: int) -> Any:
+    """Context: the module's dropout masks are drawn for ``total`` rows and rows ``start:stop`` applied
+    (``lora.layer.DropoutRNG.global_rows``); nothing for a module without one."""
+    rng = getattr(module, "rng", None)
+    return rng.global_rows(start, stop, total) if hasattr(rng, "global_rows") else contextlib.nullcontext()
 
 
 def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
