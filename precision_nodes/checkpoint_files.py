@@ -1,15 +1,17 @@
 """Where training checkpoints live: ``models/loras/<run name>/<run name>_step<N>.safetensors`` with the
-training state ``<...>.state.pt`` beside it, so every LoRA loader (stock and the pack's) lists them.
+training state ``<...>.trainstate`` beside it, so every LoRA loader (stock and the pack's) lists them, and
+only them: ``.trainstate`` is no model extension of ComfyUI (the ``.state.pt`` of earlier versions was).
 
 ``resume_from`` takes the name a LoRA loader shows (``<run>/<run>_step000010.safetensors``) or a plain file
 name; the state is looked for beside the LoRA in each loras folder, then in ``output/precision_lora/checkpoints``
-where earlier versions of the pack (and PrecisionSaveLoRA) put states, so existing runs still resume.
+where earlier versions of the pack (and PrecisionSaveLoRA) put states, so existing runs still resume. At each
+place a ``.trainstate`` is taken before an earlier version's ``.state.pt``.
 """
 from __future__ import annotations
 
 import os
 
-from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIX, state_path_for
+from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIXES, state_candidates
 from .file_names import inside, name_problem
 
 LEGACY_SUBDIR = ("precision_lora", "checkpoints")
@@ -30,9 +32,10 @@ def run_folder(name: str) -> str:
 
 
 def free_base(folder: str, stem: str) -> str:
-    """``folder/stem`` (without suffix), or ``stem_1``, ``stem_2``... when a LoRA or state of that name exists."""
+    """``folder/stem`` (without suffix), or ``stem_1``, ``stem_2``... when a LoRA or state (either suffix) of that
+    name exists."""
     base, n = os.path.join(folder, stem), 1
-    while os.path.exists(base + LORA_SUFFIX) or os.path.exists(base + STATE_SUFFIX):
+    while any(os.path.exists(base + suffix) for suffix in (LORA_SUFFIX, *STATE_SUFFIXES)):
         base, n = os.path.join(folder, f"{stem}_{n}"), n + 1
     return base
 
@@ -42,14 +45,16 @@ def checkpoint_base(name: str, step: int) -> str:
 
 
 def resume_candidates(value: str) -> list[tuple[str, str]]:
-    """(root, state path) pairs to try for ``resume_from``, in order."""
+    """(root, state path) pairs to try for ``resume_from``, in order: place by place, each with the current
+    state suffix before the earlier one."""
     import folder_paths
 
-    rel = state_path_for(value.replace("\\", "/").strip())
+    rels = state_candidates(value.replace("\\", "/").strip())
     legacy = legacy_dir()
-    pairs = [(os.path.abspath(root), os.path.join(root, rel)) for root in folder_paths.get_folder_paths("loras")]
-    pairs.append((legacy, os.path.join(legacy, rel)))
-    pairs.append((legacy, os.path.join(legacy, os.path.basename(rel))))
+    places = [(os.path.abspath(root), root) for root in folder_paths.get_folder_paths("loras")]
+    pairs = [(root, os.path.join(folder, rel)) for root, folder in places for rel in rels]
+    pairs += [(legacy, os.path.join(legacy, rel)) for rel in rels]
+    pairs += [(legacy, os.path.join(legacy, os.path.basename(rel))) for rel in rels]
     return pairs
 
 
@@ -66,5 +71,6 @@ def resolve_resume(value: str) -> str:
             return os.path.realpath(path)
         looked.append(os.path.dirname(path))
     raise ValueError(f"[Precision LoRA] {NODE}: input 'resume_from'={value!r}: no checkpoint state "
-                     f"{os.path.basename(state_path_for(value))} in {', '.join(dict.fromkeys(looked))}; pick a checkpoint "
+                     f"{' or '.join(os.path.basename(p) for p in state_candidates(value))} in "
+                     f"{', '.join(dict.fromkeys(looked))}; pick a checkpoint "
                      "as the LoRA loaders list it (e.g. 'my_run/my_run_step000100.safetensors') or leave it empty")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 log = logging.getLogger(__name__)
 
 # Longest part of a created name, in UTF-8 bytes: file systems allow 255, and the pack appends counters
-# and suffixes such as "_00001_.safetensors" or "_s000001_1.state.pt" (≤ 25 bytes).
+# and suffixes such as "_00001_.safetensors" or "_step000001_1.trainstate" (≤ 25 bytes).
 MAX_NAME_PART_BYTES = 200
 MAX_NAME_PARTS = 16
 # Longest name a route accepts: real names are far shorter; this only bounds the work a request causes.

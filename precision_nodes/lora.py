@@ -131,7 +131,7 @@ class PrecisionSaveLoRA(PrecisionNode):
                 io.Boolean.Input("overwrite", default=False, tooltip="Replace an existing file of the same name."),
                 TrainingStateType.Input("training_state", optional=True,
                                         tooltip="From the PrecisionTrainLoRA that produced the model: also writes "
-                                                "<name>.state.pt (optimizer, RNG, step, loss history) into "
+                                                "<name>.trainstate (optimizer, RNG, step, loss history) into "
                                                 "output/precision_lora/checkpoints, so PrecisionTrainLoRA's "
                                                 "resume_from=<name>.safetensors continues this run exactly."),
             ],
@@ -189,8 +189,8 @@ def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:
 
 
 def _state_path(lora_path: str) -> str:
-    """Where PrecisionSaveLoRA puts a LoRA's training state: the checkpoint folder, where resume_from looks (a
-    ``.pt`` file in models/loras would show up in every LoRA list)."""
+    """Where PrecisionSaveLoRA puts a LoRA's training state: the checkpoint folder, where resume_from finds it by
+    the LoRA's plain file name wherever the LoRA was saved (loras or output folder)."""
     stem = os.path.basename(lora_path)[: -len(".safetensors")]
     return os.path.join(checkpoint_dir(), stem + STATE_SUFFIX)
 

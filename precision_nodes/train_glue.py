@@ -233,7 +233,7 @@ def checkpoint_dir() -> str:
 
 
 def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[TrainingState, str], str]:
-    """``save_checkpoint`` hook: ``<loras>/<name>/<name>_step<step>.{state.pt,safetensors}`` (``checkpoint_files``).
+    """``save_checkpoint`` hook: ``<loras>/<name>/<name>_step<step>.{trainstate,safetensors}`` (``checkpoint_files``).
 
     The LoRA file has the ``PrecisionSaveLoRA`` keys and metadata (plus the step and the reason)."""
     family = describe_model(model).family

@@ -8,7 +8,8 @@ Workflow > Export (API). The graph's own nodes run (loaders, dataset nodes, atte
 settings, train, save) with ComfyUI's own executor, so the files are the ones the UI writes, in the same
 output folder. Only the training part runs: the train nodes and the Save LoRA / loss graph nodes fed by
 them (see runner/headless.py). ``--steps`` sets the steps of every train node; ``--resume`` continues a
-training state (``*.state.pt`` or its checkpoint ``*.safetensors``) in the first train node.
+training state (``*.trainstate``, ``*.state.pt`` of earlier versions, or its checkpoint ``*.safetensors``) in
+the first train node.
 
 Which ComfyUI: ``--comfyui DIR``; else the ComfyUI whose ``custom_nodes`` holds this pack; else the one
 scripts/comfy_bootstrap.py picks (this checkout's hosts, ``COMFYUI_DIR``). ComfyUI's own options go after
@@ -30,7 +31,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="scripts/train.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("workflow", help="API-format workflow JSON (ComfyUI: Workflow > Export (API))")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of every train node (default: the workflow's)")
-    ap.add_argument("--resume", default=None, help="training state (*.state.pt or checkpoint *.safetensors) to continue")
+    ap.add_argument("--resume", default=None, help="training state (*.trainstate, *.state.pt of earlier versions, "
+                                                   "or its checkpoint *.safetensors) to continue")
     ap.add_argument("--base-directory", default=None,
                     help="ComfyUI base directory (models, output, custom_nodes); default: ComfyUI's own folder")
     ap.add_argument("--comfyui", default=None, help="the ComfyUI folder (the one with main.py)")

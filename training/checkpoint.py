@@ -5,9 +5,13 @@ states, step, loss history and settings. It flows between chained ``PrecisionTra
 what a checkpoint stores, so "continue in the graph" and "resume from a file" are the same code path.
 
 Checkpoint = two files written atomically (temp file + ``os.replace``), state first, LoRA last:
-``<base>.state.pt`` (``torch.save`` of ``TrainingState.to_dict()``, loads with ``weights_only=True``) and
+``<base>.trainstate`` (``torch.save`` of ``TrainingState.to_dict()``, loads with ``weights_only=True``) and
 ``<base>.safetensors`` (the LoRA, written by the caller-supplied writer in the ``PrecisionSaveLoRA``
 format). Non-finite tensors are refused (``NonFiniteError``) before anything is written.
+
+Earlier versions named the state ``<base>.state.pt``. ComfyUI lists every ``.pt`` file in a model folder, so
+those states showed up in every LoRA list beside their checkpoints; ``.trainstate`` is no model extension of
+ComfyUI, so the lists show the LoRA only. Old states are still read (``state_candidates``), never written.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ from .guard import assert_finite
 
 log = logging.getLogger(__name__)
 
-STATE_SUFFIX = ".state.pt"
+STATE_SUFFIX = ".trainstate"
+LEGACY_STATE_SUFFIX = ".state.pt"  # what earlier versions wrote; read only
+STATE_SUFFIXES = (STATE_SUFFIX, LEGACY_STATE_SUFFIX)
 LORA_SUFFIX = ".safetensors"
 FORMAT_VERSION = 1
 
@@ -73,7 +79,7 @@ class TrainingState:
 
 
 def save_state(path: str, state: TrainingState) -> str:
-    """Write ``state`` atomically to ``path`` (``*.state.pt``). Refuses non-finite tensors. Returns path."""
+    """Write ``state`` atomically to ``path`` (``*.trainstate``). Refuses non-finite tensors. Returns path."""
     data = state.to_dict()
     assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"]},
                   f"training state {os.path.basename(path)}")
@@ -82,7 +88,7 @@ def save_state(path: str, state: TrainingState) -> str:
 
 
 def load_state(path: str) -> TrainingState:
-    """Read a ``*.state.pt`` file (``weights_only=True``: no code runs). Clear errors on bad files."""
+    """Read a ``*.trainstate`` (or older ``*.state.pt``) file (``weights_only=True``: no code runs). Clear errors on bad files."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"[Precision LoRA] training state file not found: {path}")
     try:
@@ -95,7 +101,7 @@ def load_state(path: str) -> TrainingState:
 
 
 def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str], str]) -> str:
-    """Write ``<base>.state.pt`` then the LoRA via ``write_lora(<base>.safetensors)``; returns the LoRA path.
+    """Write ``<base>.trainstate`` then the LoRA via ``write_lora(<base>.safetensors)``; returns the LoRA path.
 
     ``write_lora`` must write atomically (``lora.file.save_lora_file`` does). Nothing is written
     if the state holds a non-finite tensor.
@@ -106,9 +112,28 @@ def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str]
     return path
 
 
+def state_stem(path: str) -> str | None:
+    """``path`` without its state suffix (either one), or None when it names no state file."""
+    for suffix in STATE_SUFFIXES:
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return None
+
+
 def state_path_for(lora_path: str) -> str:
-    """The state file that belongs to a checkpoint's LoRA file (or to a state path itself)."""
-    if lora_path.endswith(STATE_SUFFIX):
-        return lora_path
+    """The state file a checkpoint's LoRA file gets (current suffix); a state path (either suffix) as it is."""
+    return state_candidates(lora_path)[0]
+
+
+def state_candidates(lora_path: str) -> list[str]:
+    """The state files that may belong to a LoRA file, in the order to read them: the current suffix, then
+    the one earlier versions wrote. A path that already names a state file is the only candidate."""
+    if state_stem(lora_path) is not None:
+        return [lora_path]
     root = lora_path[: -len(LORA_SUFFIX)] if lora_path.endswith(LORA_SUFFIX) else lora_path
-    return root + STATE_SUFFIX
+    return [root + suffix for suffix in STATE_SUFFIXES]
+
+
+def find_state(lora_path: str) -> str | None:
+    """The first of ``state_candidates(lora_path)`` that is a file, or None."""
+    return next((p for p in state_candidates(lora_path) if os.path.isfile(p)), None)

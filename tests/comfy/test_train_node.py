@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -75,17 +76,31 @@ def test_resume_from_checkpoint_file_continues_identical_losses(mods):
     assert job.step == 4
     names = sorted(n for n in os.listdir(run_folder("test")) if n.startswith("test_step000004"))
     newest = [n for n in names if n.endswith(".safetensors")][-1]
-    assert newest[: -len(".safetensors")] + ".state.pt" in names, "the training state sits beside the LoRA"
-    _, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{newest}")
+    stem = newest[: -len(".safetensors")]
+    assert stem + ".trainstate" in names, "the training state sits beside the LoRA"
+    assert not [n for n in names if n.endswith(".state.pt")], "the old suffix is never written"
+    new_model, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{newest}")
     assert steps == 8
     assert losses["loss"] == ref_losses["loss"]
+    # A checkpoint written by an earlier version: the same LoRA with its state named <stem>.state.pt.
+    folder, old = run_folder("test"), "old_suffix_step000004"
+    shutil.copy(os.path.join(folder, newest), os.path.join(folder, old + ".safetensors"))
+    shutil.copy(os.path.join(folder, stem + ".trainstate"), os.path.join(folder, old + ".state.pt"))
+    try:
+        old_model, old_state, old_losses, old_steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{old}.safetensors")
+    finally:
+        for suffix in (".safetensors", ".state.pt"):
+            os.remove(os.path.join(folder, old + suffix))
+    assert old_steps == 8 and old_losses["loss"] == losses["loss"] == ref_losses["loss"]
+    new_w, old_w = _lora_values(new_model, mods), _lora_values(old_model, mods)
+    assert new_w.keys() == old_w.keys() and all(torch.equal(new_w[k], old_w[k]) for k in new_w)
+    assert old_state.generator.equal(state.generator)
 
 
 def test_checkpoint_is_listed_by_lora_loaders_loads_in_stock_comfyui_and_old_states_resume(mods, caplog):
     """Issue 14 item 8: checkpoints land in models/loras/<run>/ (listed by folder_paths, loaded by stock
-    LoraLoaderModelOnly with every key); a state in the old output/precision_lora/checkpoints still resumes."""
-    import shutil
-
+    LoraLoaderModelOnly with every key) without their training state (a .trainstate, no model extension of
+    ComfyUI); a state in the old output/precision_lora/checkpoints, named .state.pt, still resumes."""
     import folder_paths
     import nodes as comfy_nodes
 
@@ -93,14 +108,17 @@ def test_checkpoint_is_listed_by_lora_loaders_loads_in_stock_comfyui_and_old_sta
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
     trained, _, _, _ = _run(mods, m, latent, cond, 3, name="listed", settings=mods.Settings(learning_rate=1e-3, checkpoint_every=3))
     listed = [n for n in folder_paths.get_filename_list("loras") if n.startswith("listed/listed_step000003")]
-    lora = [n for n in listed if n.endswith(".safetensors")][-1]
+    # ComfyUI lists every file with a model extension (.pt among them): only the LoRA, never its state.
+    assert listed and all(n.endswith(".safetensors") for n in listed), listed
+    lora = listed[-1]
+    assert os.path.isfile(folder_paths.get_full_path("loras", lora)[: -len(".safetensors")] + ".trainstate")
     with caplog.at_level(logging.WARNING):
         stock = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(m, lora, 1.0)[0]
     assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
     assert len(stock.patches) == len(mods.glue.get_lora_set(trained).adapters())
     torch.testing.assert_close(denoise(stock), denoise(trained), rtol=1e-4, atol=1e-4)
     # An existing user's run: its state in the old folder, resumed by its plain file name.
-    state = folder_paths.get_full_path("loras", lora)[: -len(".safetensors")] + ".state.pt"
+    state = folder_paths.get_full_path("loras", lora)[: -len(".safetensors")] + ".trainstate"
     os.makedirs(mods.tglue.checkpoint_dir(), exist_ok=True)
     shutil.copy(state, os.path.join(mods.tglue.checkpoint_dir(), "old_place.state.pt"))
     _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="old_place.safetensors")
@@ -160,10 +178,11 @@ def test_injected_nan_is_caught_and_nothing_non_finite_is_saved(mods):
     assert [p["step"] for p in state.history if p["skipped"]] == [3, 4, 5]
     assert state.rollbacks == 1 and steps == 7 and len(losses["loss"]) == 4
     folder = run_folder("test")
-    for name in os.listdir(folder):
-        if name.endswith(".state.pt"):
-            saved = mods.ckpt.load_state(os.path.join(folder, name))
-            assert all(torch.isfinite(v).all() for v in saved.lora.values()), name
+    states = [n for n in os.listdir(folder) if n.endswith(".trainstate")]
+    assert states
+    for name in states:
+        saved = mods.ckpt.load_state(os.path.join(folder, name))
+        assert all(torch.isfinite(v).all() for v in saved.lora.values()), name
     assert all(torch.isfinite(v).all() for v in _lora_values(out, mods).values())
 
 
@@ -217,8 +236,8 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
         server.send_sync = original
     done = [d for e, d, _ in server.events if e == "precision_lora.train_done"][-1]
     assert steps == 4 and len(losses["loss"]) == 4 and done["stopped"] is True
-    names = [n for n in os.listdir(run_folder("test")) if n.startswith("test_step00000") and n.endswith(".state.pt")]
-    assert {"test_step000002.state.pt", "test_step000004.state.pt"} <= set(names)
+    names = [n for n in os.listdir(run_folder("test")) if n.startswith("test_step00000") and n.endswith(".trainstate")]
+    assert {"test_step000002.trainstate", "test_step000004.trainstate"} <= set(names)
     job = mods.jobs.current_job()
     assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
 
@@ -265,7 +284,7 @@ def test_saved_training_state_resumes_the_run_exactly(mods, pack_module):
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
     a_model, a_state, _, _ = _run(mods, m, latent, cond, 3)
     path = _save(mods, pack_module, a_model, "state_save/resume_me", a_state)
-    state_file = os.path.join(mods.tglue.checkpoint_dir(), "resume_me.state.pt")
+    state_file = os.path.join(mods.tglue.checkpoint_dir(), "resume_me.trainstate")
     assert os.path.isfile(path) and os.path.isfile(state_file)
     assert mods.ckpt.load_state(state_file).step == 3
     # a fresh graph: the attached (untrained) LoRA, continued from the saved state by name
@@ -287,18 +306,18 @@ def test_save_refuses_a_foreign_or_existing_training_state_and_writes_nothing(mo
         _save(mods, pack_module, a_model, "state_save/foreign", b_state)
     with pytest.raises(ValueError, match=r"input 'training_state' belongs to a different LoRA"):
         _save(mods, pack_module, _setup(mods, "flux1")[1], "state_save/foreign", a_state)
-    state_file = os.path.join(mods.tglue.checkpoint_dir(), "taken.state.pt")
+    state_file = os.path.join(mods.tglue.checkpoint_dir(), "taken.trainstate")
     with open(state_file, "wb") as f:
         f.write(b"someone else's state")
     try:
-        with pytest.raises(ValueError, match=r"taken.state.pt exists in .*: enable overwrite"):
+        with pytest.raises(ValueError, match=r"taken.trainstate exists in .*: enable overwrite"):
             _save(mods, pack_module, a_model, "state_save/taken", a_state)
         with open(state_file, "rb") as f:
             assert f.read() == b"someone else's state"
     finally:
         os.remove(state_file)
     after = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    assert after == before and not os.path.exists(os.path.join(mods.tglue.checkpoint_dir(), "foreign.state.pt"))
+    assert after == before and not os.path.exists(os.path.join(mods.tglue.checkpoint_dir(), "foreign.trainstate"))
 
 
 @pytest.mark.parametrize("family", ["cosmos", "flux1"])

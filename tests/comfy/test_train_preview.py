@@ -184,7 +184,7 @@ def test_a_preview_failure_mid_run_keeps_the_checkpoint_and_names_the_input(env,
     assert "pv_fail_step000004" in msg and "resume" in msg
     import folder_paths
 
-    ckpt = os.path.join(folder_paths.get_folder_paths("loras")[0], "pv_fail", "pv_fail_step000004.state.pt")
+    ckpt = os.path.join(folder_paths.get_folder_paths("loras")[0], "pv_fail", "pv_fail_step000004.trainstate")
     assert os.path.isfile(ckpt)
 
 

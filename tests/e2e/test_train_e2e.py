@@ -232,5 +232,5 @@ def test_cancel_over_http_leaves_a_loadable_checkpoint(server):
     assert done["stopped"] is True and done["steps"] >= 2 and os.path.isfile(done["checkpoint"])
     tensors = safetensors.torch.load_file(done["checkpoint"])
     assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
-    state = torch.load(done["checkpoint"][: -len(".safetensors")] + ".state.pt", weights_only=True)
+    state = torch.load(done["checkpoint"][: -len(".safetensors")] + ".trainstate", weights_only=True)
     assert state["step"] == done["steps"] and len(state["history"]) == done["steps"]

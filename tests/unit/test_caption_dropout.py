@@ -115,7 +115,7 @@ def test_chained_and_resumed_runs_are_bit_identical_with_dropout_on(tmp_path) ->
     second, seen_b = _run(0.3, 5, state=first)
     _same(one, second)
     assert seen_a + seen_b == seen_one
-    path = save_state(str(tmp_path / "mid.state.pt"), first)
+    path = save_state(str(tmp_path / "mid.trainstate"), first)
     resumed, _ = _run(0.3, 5, state=load_state(path))
     _same(one, resumed)
 
@@ -147,7 +147,7 @@ def worker(argv: list[str]) -> None:
     par = distributed.activate(torch.device("cpu"), timeout_s=60)
     try:
         state, seen = _run(0.4, 6, parallel=par)
-        save_state(os.path.join(args.out, f"final_rank{par.rank}.state.pt"), state)
+        save_state(os.path.join(args.out, f"final_rank{par.rank}.trainstate"), state)
         with open(os.path.join(args.out, f"seen_rank{par.rank}.json"), "w") as f:
             json.dump(seen, f)
     finally:
@@ -172,7 +172,7 @@ def test_two_ranks_drop_the_same_samples_as_one_process(tmp_path) -> None:
             seen += [tuple(r) for r in json.load(f)]
     assert sorted(seen) == sorted(seen_ref)  # the ranks' rows together are the one process's rows
     assert any(v >= EMPTY for _, v in seen)
-    rank0 = load_state(str(tmp_path / "final_rank0.state.pt"))
+    rank0 = load_state(str(tmp_path / "final_rank0.trainstate"))
     # within fp32 rounding of the split reduction (see tests/unit/test_distributed.py)
     assert [p["loss"] for p in rank0.history] == pytest.approx([p["loss"] for p in ref.history], rel=1e-5)
 

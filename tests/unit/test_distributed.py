@@ -74,7 +74,7 @@ def worker(argv: list[str]) -> None:
             net.lora.down.add_(1.0)
 
     def save(state, reason):
-        return save_state(os.path.join(args.out, f"ck_{state.step:03d}.state.pt"), state)
+        return save_state(os.path.join(args.out, f"ck_{state.step:03d}.trainstate"), state)
 
     def on_step(report):
         if args.die_at and par.rank == 1 and report.step == args.die_at:
@@ -86,7 +86,7 @@ def worker(argv: list[str]) -> None:
     try:
         result = train(net.lora, _data(), toy_fns(net), _settings(checkpoint_every=args.checkpoint_every),
                        steps=args.steps, seed=5, hooks=Hooks(on_step=on_step, save_checkpoint=save))
-        save_state(os.path.join(args.out, f"final_rank{par.rank}.state.pt"), result.state)
+        save_state(os.path.join(args.out, f"final_rank{par.rank}.trainstate"), result.state)
         with open(os.path.join(args.out, f"reason_rank{par.rank}.txt"), "w") as f:
             f.write(result.reason)
     finally:
@@ -157,8 +157,8 @@ def test_one_rank_group_equals_no_group_bitwise(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_of_the_same_global_batch(two_ranks) -> None:
-    rank0 = load_state(os.path.join(two_ranks, "final_rank0.state.pt"))
-    rank1 = load_state(os.path.join(two_ranks, "final_rank1.state.pt"))
+    rank0 = load_state(os.path.join(two_ranks, "final_rank0.trainstate"))
+    rank1 = load_state(os.path.join(two_ranks, "final_rank1.trainstate"))
     ref = _one_process(6)
     # The ranks agree exactly with each other (same reduced gradient, same optimizer, same generators) ...
     assert _losses(rank0) == _losses(rank1)
@@ -173,15 +173,15 @@ def test_two_ranks_equal_one_process_of_the_same_global_batch(two_ranks) -> None
         torch.testing.assert_close(rank0.lora[name], value, rtol=0, atol=ATOL)
     assert float(ref.lora["up"].abs().max()) > 1e-2  # it trained: the comparison is not between zeros
     # Only rank 0 wrote checkpoints.
-    assert sorted(f for f in os.listdir(two_ranks) if f.startswith("ck_")) == ["ck_003.state.pt", "ck_006.state.pt"]
+    assert sorted(f for f in os.listdir(two_ranks) if f.startswith("ck_")) == ["ck_003.trainstate", "ck_006.trainstate"]
 
 
 @pytest.mark.slow
 def test_a_two_rank_checkpoint_continues_in_one_process(two_ranks) -> None:
-    ck = load_state(os.path.join(two_ranks, "ck_003.state.pt"))
-    two = load_state(os.path.join(two_ranks, "final_rank0.state.pt"))
+    ck = load_state(os.path.join(two_ranks, "ck_003.trainstate"))
+    two = load_state(os.path.join(two_ranks, "final_rank0.trainstate"))
     resumed = _one_process(3, state=ck)
-    resumed_again = _one_process(3, state=load_state(os.path.join(two_ranks, "ck_003.state.pt")))
+    resumed_again = _one_process(3, state=load_state(os.path.join(two_ranks, "ck_003.trainstate")))
     assert _losses(resumed) == _losses(resumed_again)  # a continuation is deterministic
     assert _losses(resumed)[:3] == _losses(two)[:3]  # the history carries over
     assert _losses(resumed)[3:] == pytest.approx(_losses(two)[3:], rel=RTOL)
@@ -199,9 +199,9 @@ def test_a_killed_rank_ends_the_run_and_leaves_the_last_checkpoint_intact(tmp_pa
     text = proc.stdout + proc.stderr
     assert "Signals.SIGKILL" in text or "exitcode  : -9" in text, text[-3000:]  # torchrun names the dead rank
     assert elapsed < 120, f"the surviving rank hung for {elapsed:.0f}s"
-    assert not os.path.exists(os.path.join(out, "final_rank0.state.pt"))
+    assert not os.path.exists(os.path.join(out, "final_rank0.trainstate"))
     written = sorted(f for f in os.listdir(out) if f.startswith("ck_"))
-    assert written == ["ck_002.state.pt", "ck_004.state.pt"], written  # no half-written step-6 file either
+    assert written == ["ck_002.trainstate", "ck_004.trainstate"], written  # no half-written step-6 file either
     last = load_state(os.path.join(out, written[-1]))
     assert last.step == 4
     assert _losses(_one_process(4, state=last)) == pytest.approx(_losses(_one_process(8)), rel=RTOL)
@@ -214,8 +214,8 @@ def test_a_cancel_on_one_rank_ends_every_rank_at_the_same_step_with_a_checkpoint
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         assert open(os.path.join(out, f"reason_rank{rank}.txt")).read() == "interrupt"
-        assert load_state(os.path.join(out, f"final_rank{rank}.state.pt")).step == 3
-    assert sorted(f for f in os.listdir(out) if f.startswith("ck_")) == ["ck_003.state.pt"]  # rank 0's only
+        assert load_state(os.path.join(out, f"final_rank{rank}.trainstate")).step == 3
+    assert sorted(f for f in os.listdir(out) if f.startswith("ck_")) == ["ck_003.trainstate"]  # rank 0's only
 
 
 def test_torchrun_is_available() -> None:

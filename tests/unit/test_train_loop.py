@@ -51,13 +51,33 @@ def test_resume_from_saved_state_file_continues_identical_losses(tmp_path) -> No
     saved: list[str] = []
 
     def save(state, reason):
-        return save_state(str(tmp_path / f"ck_{state.step}.state.pt"), state)
+        return save_state(str(tmp_path / f"ck_{state.step}.trainstate"), state)
 
     train(net.lora, data, toy_fns(net), FAST.__class__(**{**FAST.to_dict(), "checkpoint_every": 4}), steps=4,
           seed=3, hooks=Hooks(save_checkpoint=lambda st, r: saved.append(save(st, r)) or saved[-1]))
     fresh = ToyNet(DIM)  # new process stand-in: LoRA re-initialised, everything comes from the file
     resumed = train(fresh.lora, data, toy_fns(fresh), FAST, steps=4, state=load_state(saved[-1]))
     assert _losses(resumed) == _losses(ref)
+
+
+def test_checkpoint_state_is_a_trainstate_and_an_earlier_state_pt_is_still_found(tmp_path) -> None:
+    """ComfyUI lists every .pt file in a loras folder as a LoRA, so the state is written as .trainstate; a
+    .state.pt of earlier versions beside a LoRA is still read when no .trainstate is there."""
+    from training.checkpoint import find_state, state_candidates, write_checkpoint
+
+    net = ToyNet(DIM)
+    state = train(net.lora, toy_data(1, DIM), toy_fns(net), FAST, steps=2, seed=3).state
+    lora = write_checkpoint(str(tmp_path / "run_step2"), state, lambda p: (open(p, "wb").close(), p)[1])
+    assert sorted(os.listdir(tmp_path)) == ["run_step2.safetensors", "run_step2.trainstate"]
+    new = str(tmp_path / "run_step2.trainstate")
+    assert find_state(lora) == new
+    os.replace(new, str(tmp_path / "run_step2.state.pt"))  # what an earlier version wrote
+    assert find_state(lora) == str(tmp_path / "run_step2.state.pt")
+    old = load_state(find_state(lora))
+    assert old.step == 2 and all(torch.equal(v, old.lora[k]) for k, v in state.lora.items())
+    save_state(new, state)
+    assert find_state(lora) == new  # the current suffix first
+    assert state_candidates("a/x.state.pt") == ["a/x.state.pt"] and find_state(str(tmp_path / "none.safetensors")) is None
 
 
 def test_stop_action_saves_checkpoint_and_ends_early() -> None:
@@ -115,7 +135,7 @@ def test_injected_nan_is_skipped_and_rolled_back(tmp_path) -> None:
     written: list[str] = []
 
     def save(state, reason):
-        return save_state(str(tmp_path / f"s{state.step}.state.pt"), state)
+        return save_state(str(tmp_path / f"s{state.step}.trainstate"), state)
 
     hooks = Hooks(save_checkpoint=lambda st, r: written.append(save(st, r)) or written[-1])
     result = train(net.lora, toy_data(1, DIM), toy_fns(net, nan_at={4, 5, 6}), s, steps=8, hooks=hooks)
@@ -132,7 +152,7 @@ def test_nan_in_parameters_is_never_written(tmp_path) -> None:
     net = ToyNet(DIM)
     result = train(net.lora, toy_data(1, DIM), toy_fns(net), FAST, steps=1)
     result.state.lora["up"][0, 0] = float("inf")
-    target = tmp_path / "bad.state.pt"
+    target = tmp_path / "bad.trainstate"
     with pytest.raises(NonFiniteError, match="'lora' holds NaN/inf"):
         save_state(str(target), result.state)
     assert not target.exists() and list(tmp_path.iterdir()) == []
