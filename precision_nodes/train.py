@@ -145,6 +145,20 @@ def _send(event: str, data: dict) -> None:
         instance.send_sync(event, data, getattr(instance, "client_id", None))
 
 
+def _console(line: str) -> None:
+    """The progress line to ComfyUI's log; under the headless runner to its console instead (its stand-in
+    server takes the line), so a headless run prints each report once."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        PromptServer = None
+    take = getattr(getattr(PromptServer, "instance", None), "precision_lora_console", None)
+    if callable(take):
+        take(line)
+    else:
+        log.info(line)
+
+
 def _show_on_node(text: str, node_id: str | None) -> None:
     """Text under the node in the page for the rest of the run: ComfyUI's progress text, which both supported
     frontends draw as a read-only text widget on the executing node (ComfyUI's own nodes show sizes with it)."""
@@ -211,7 +225,7 @@ def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, star
     def on_step(r: StepReport) -> str | None:
         line = console.line(r)
         if line is not None:
-            log.info(line)
+            _console(line)
         point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
         job.add_point(point)
         _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
@@ -266,7 +280,7 @@ class PrecisionTrainLoRA(PrecisionNode):
                 io.Int.Input("steps", default=100, min=1, max=1000000, step=1, tooltip="Optimizer steps this node runs (> 0)."),
                 io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, step=1,
                              tooltip="Seeds data order, timesteps and noise for a new run; a continued run keeps the state's generator."),
-                io.String.Input("name", default="precision_lora", tooltip="Run name: checkpoints are written as models/loras/<name>/<name>_step<N>.safetensors (every LoRA loader lists them) with <name>_step<N>.state.pt beside them."),
+                io.String.Input("name", default="precision_lora", tooltip="Run name: checkpoints are written as models/loras/<name>/<name>_step<N>.safetensors (every LoRA loader lists them) with their training state <name>_step<N>.trainstate beside them."),
                 TrainSettingsType.Input("settings", optional=True, tooltip="From PrecisionTrainSettings; defaults when not connected."),
                 io.Conditioning.Input("class_conditioning", optional=True, tooltip="Class prompt (without trigger) for DOP."),
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),

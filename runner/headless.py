@@ -22,13 +22,13 @@ import shutil
 import signal
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..training import distributed
-from ..training.checkpoint import LORA_SUFFIX, STATE_SUFFIX, state_path_for
+from ..training.checkpoint import (LEGACY_STATE_SUFFIX, LORA_SUFFIX, STATE_SUFFIX, STATE_SUFFIXES, find_state,
+                                   state_candidates, state_stem)
 
 TRAIN_NODE = "PrecisionTrainLoRA"
 WRITER_NODES = ("PrecisionSaveLoRA", "PrecisionLossGraph")
@@ -123,26 +123,32 @@ def with_overrides(prompt: dict, steps: int | None = None, resume_name: str | No
 
 def stage_resume(path: str, checkpoint_folder: str) -> str:
     """The name ``PrecisionTrainLoRA``'s ``resume_from`` takes for the training state ``path``: a state or
-    checkpoint LoRA file, or a name the node resolves itself (what its ``resume_from`` accepts). A file
-    outside ``checkpoint_folder`` (a folder the node searches) is copied into it first, with its LoRA file,
-    under a free name, so the node reads it the way it reads the UI's own checkpoints."""
-    if not os.path.isabs(path) and not os.path.isfile(state_path_for(path)):
+    checkpoint LoRA file, or a name the node resolves itself (what its ``resume_from`` accepts). A LoRA file's
+    state is its ``.trainstate``, else the ``.state.pt`` of earlier versions. A file outside
+    ``checkpoint_folder`` (a folder the node searches) is copied into it first, with its LoRA file, under a
+    free name and the current state suffix, so the node reads it the way it reads the UI's own checkpoints."""
+    found = find_state(path)
+    if not os.path.isabs(path) and found is None:
         return path  # not a file here: a name the node resolves itself (a checkpoint a LoRA loader lists)
-    state = os.path.abspath(state_path_for(path))
-    if not os.path.isfile(state):
-        raise WorkflowError(f"{PROG}: --resume {path!r}: no training state file {state}; give a "
-                            f"'*{STATE_SUFFIX}' file (or its checkpoint '*{LORA_SUFFIX}') written by a training run")
+    if found is None:
+        looked = " or ".join(os.path.abspath(p) for p in state_candidates(path))
+        raise WorkflowError(f"{PROG}: --resume {path!r}: no training state file {looked}; give a '*{STATE_SUFFIX}' "
+                            f"file (or '*{LEGACY_STATE_SUFFIX}' of earlier versions, or its checkpoint '*{LORA_SUFFIX}') "
+                            "written by a training run")
+    state = os.path.abspath(found)
     folder = os.path.realpath(checkpoint_folder)
     if os.path.dirname(os.path.realpath(state)) == folder:
         return os.path.basename(state)
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.basename(state)[: -len(STATE_SUFFIX)]
+    stem = os.path.basename(state_stem(state))
     name, n = stem, 1
-    while os.path.exists(os.path.join(folder, name + STATE_SUFFIX)):
-        if filecmp.cmp(os.path.join(folder, name + STATE_SUFFIX), state, shallow=False):
-            return name + STATE_SUFFIX  # the same file is already there
+    while any(os.path.exists(os.path.join(folder, name + s)) for s in (LORA_SUFFIX, *STATE_SUFFIXES)):
+        for suffix in STATE_SUFFIXES:
+            there = os.path.join(folder, name + suffix)
+            if os.path.isfile(there) and filecmp.cmp(there, state, shallow=False):
+                return name + suffix  # the same file is already there
         name, n = f"{stem}_{n}", n + 1
-    lora = state[: -len(STATE_SUFFIX)] + LORA_SUFFIX
+    lora = state_stem(state) + LORA_SUFFIX
     if os.path.isfile(lora):
         shutil.copyfile(lora, os.path.join(folder, name + LORA_SUFFIX))
     shutil.copyfile(state, os.path.join(folder, name + STATE_SUFFIX))
@@ -152,43 +158,22 @@ def stage_resume(path: str, checkpoint_folder: str) -> str:
 # ---- progress on the console ----
 
 class Progress:
-    """Turns the train node's step events into console lines: step, loss, learning rate, time per step, ETA.
+    """The console of a headless run. Progress is the train node's own line (step, smoothed loss, lr, it/s and
+    ETA, every twentieth of its steps or 30 s: ``precision_nodes.train.ConsoleLine``): the node hands it to the
+    stand-in server instead of ComfyUI's log, so each report is printed once, by ``echo``. A train node's end
+    (outcome, checkpoint) gets a line of its own."""
 
-    A node's first and last steps always get a line, the others at most one per ``every_s`` seconds (a
-    long run at many steps a second would otherwise scroll the console away)."""
+    def __init__(self, echo: Callable[[str], None]) -> None:
+        self.echo = echo
 
-    def __init__(self, echo: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-                 every_s: float = 1.0) -> None:
-        self.echo, self.clock, self.every_s = echo, clock, every_s
-        self.started: dict[str, tuple[float, int]] = {}
-        self.last_line = float("-inf")
+    def line(self, text: str) -> None:
+        self.echo(text)
 
     def event(self, name: str, data: Any) -> None:
-        if name == "precision_lora.train_step" and isinstance(data, dict):
-            self._step(data)
-        elif name == "precision_lora.train_done" and isinstance(data, dict):
+        if name == "precision_lora.train_done" and isinstance(data, dict):
             how = "stopped" if data.get("stopped") else "done"
             extra = f", checkpoint {data['checkpoint']}" if data.get("checkpoint") else ""
             self.echo(f"[train {data.get('node')}] {how} at step {data.get('steps')}: {data.get('outcome')}{extra}")
-
-    def _step(self, d: dict) -> None:
-        node, step, total = str(d.get("node")), int(d.get("step") or 0), int(d.get("total") or 0)
-        now = self.clock()
-        first = node not in self.started
-        t0, s0 = self.started.setdefault(node, (now, step - 1))
-        if not (first or step >= total or now - self.last_line >= self.every_s):
-            return
-        self.last_line = now
-        done = step - s0
-        per = (now - t0) / (done - 1) if done > 1 else None  # the first step's time includes the model load
-        loss = "skipped (non-finite)" if d.get("loss") is None else f"{d['loss']:.6f}"
-        timing = "" if per is None else f"  {per:.2f} s/step  ETA {_clock(per * max(total - step, 0))}"
-        self.echo(f"[train {node}] step {step}/{total}  loss {loss}  lr {float(d.get('lr') or 0):.3g}{timing}")
-
-
-def _clock(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class ProgressServer:
@@ -211,6 +196,11 @@ class ProgressServer:
 
     def send_progress_text(self, text, node_id, sid=None) -> None:
         pass
+
+    def precision_lora_console(self, line: str) -> None:
+        """The train node's progress line (rank 0 prints it; the other ranks stay quiet)."""
+        if self.progress is not None:
+            self.progress.line(line)
 
 
 # ---- the run ----
@@ -241,11 +231,11 @@ def _error_text(messages: list) -> str:
 
 
 def run(prompt: dict, steps: int | None = None, resume: str | None = None,
-        echo: Callable[[str], None] | None = None, progress_every_s: float = 1.0) -> RunResult:
+        echo: Callable[[str], None] | None = None) -> RunResult:
     """Execute the training part of ``prompt`` (see the module docstring). ``steps`` overrides every train
     node's steps; ``resume`` (a training state file, or a checkpoint name) feeds the first train node.
     Under ``torchrun`` this process joins the data-parallel run for the duration of the call. Progress
-    lines go to ``echo`` (default: print), at most one per ``progress_every_s`` seconds per node."""
+    lines (the train node's, see ``Progress``) go to ``echo`` (default: print), on rank 0 only."""
     import execution
     import folder_paths
     import server as comfy_server
@@ -283,7 +273,7 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
         output = [folder_paths.get_output_directory(), *folder_paths.get_folder_paths("loras")]
         before = _output_files(output)
         previous = getattr(comfy_server.PromptServer, "instance", None)
-        comfy_server.PromptServer.instance = stand_in = ProgressServer(Progress(say, every_s=progress_every_s) if main else None)
+        comfy_server.PromptServer.instance = stand_in = ProgressServer(Progress(say) if main else None)
         try:
             executor = execution.PromptExecutor(stand_in, cache_type=execution.CacheType.CLASSIC,
                                                 cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})

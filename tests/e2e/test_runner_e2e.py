@@ -71,7 +71,7 @@ def _runner(base: str, prompt: dict, *args: str, ranks: int = 1, timeout: float 
     # another count rounds differently (torchrun gives each rank one thread itself).
     proc = subprocess.run([PYTHON, *cmd], capture_output=True, text=True, timeout=timeout, env=server_env())
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return proc.stdout
+    return proc.stdout + proc.stderr  # what the terminal shows: the runner's lines and the log
 
 
 def _lora(base: str, tag: str) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def _lora(base: str, tag: str) -> dict[str, torch.Tensor]:
 
 def _state(base: str, tag: str) -> dict:
     return torch.load(os.path.join(base, "output", "precision_lora", "checkpoints",
-                                   f"e2e_runner_{tag}_PrecisionSaveLoRA.state.pt"), weights_only=True)
+                                   f"e2e_runner_{tag}_PrecisionSaveLoRA.trainstate"), weights_only=True)
 
 
 def _files(base: str) -> list[str]:
@@ -96,7 +96,7 @@ def _files(base: str) -> list[str]:
 
 def _checkpoint(base: str, tag: str, step: int) -> str:
     """The training state of the periodic checkpoint at ``step`` (wherever the pack puts checkpoints)."""
-    found = [f for f in _files(base) if re.search(rf"e2e_runner_{tag}_s(tep)?0*{step}\.state\.pt$", f)]
+    found = [f for f in _files(base) if re.search(rf"e2e_runner_{tag}_s(tep)?0*{step}\.trainstate$", f)]
     assert len(found) == 1, _files(base)
     return os.path.join(base, found[0])
 
@@ -105,11 +105,11 @@ def _hand_to_ui(server, state_path: str, name: str) -> str:
     """Copy a checkpoint (state and LoRA) where the UI's resume_from finds it by plain file name."""
     folder = os.path.join(server.base_dir, "output", "precision_lora", "checkpoints")
     os.makedirs(folder, exist_ok=True)
-    shutil.copyfile(state_path, os.path.join(folder, name + ".state.pt"))
-    lora = state_path[: -len(".state.pt")] + ".safetensors"
+    shutil.copyfile(state_path, os.path.join(folder, name + ".trainstate"))
+    lora = state_path[: -len(".trainstate")] + ".safetensors"
     if os.path.exists(lora):
         shutil.copyfile(lora, os.path.join(folder, name + ".safetensors"))
-    return name + ".state.pt"
+    return name + ".trainstate"
 
 
 def _losses(state: dict) -> list[float]:
@@ -140,7 +140,11 @@ def test_runner_writes_the_lora_the_server_writes_and_prints_progress(server, ui
     out = _runner(base, _prompt("one"))  # all of ComfyUI's nodes and the custom nodes, as the server loads them
     _equal(_lora(base, "one"), _lora(ui_run, "ui"))
     assert _losses(_state(base, "one")) == _losses(_state(ui_run, "ui"))
-    assert re.search(r"step 4/4  loss \d+\.\d+  lr [\d.e-]+  [\d.]+ s/step  ETA 0:00:00", out), out[-2000:]
+    # one progress line per reported step (2 + 2 steps: every step), the train node's line, not a second copy
+    steps = [m.group(1) for m in re.finditer(r"PrecisionTrainLoRA: step (\d+/\d+) loss \S+ \(smoothed\) lr \S+ "
+                                             r"[\d.]+ it/s ETA \d+:\d\d:\d\d$", out, re.M)]
+    assert steps == ["1/2", "2/2", "3/4", "4/4"], out[-3000:]
+    assert len(re.findall(r"\bstep \d+/\d+", out)) == 4, out[-3000:]
     assert "e2e_runner_one_PrecisionSaveLoRA.safetensors" in out  # it says what it wrote
 
 
