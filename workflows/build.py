@@ -55,12 +55,19 @@ REAL_TRAIN_NOTE = (
     "   one latent and one conditioning per image; images of different sizes train in one run.\n\n"
     "Then Run. Weights load in the file's own dtype (weight_dtype default); the LoRA trains in fp32.\n"
     "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
-    "Attach LoRA: rank/alpha/targets. Train Settings: optimizer, lr schedule, timesteps; a checkpoint every\n"
-    "250 steps lands in output/precision_lora/checkpoints. The chart on Train LoRA shows the loss live;\n"
-    "Stop keeps the LoRA so far. Save LoRA writes models/loras/" + REAL_LORA_PREFIX + "_00001_.safetensors\n"
-    "(the counter grows on later runs; it never overwrites) and its training state, so a later Train LoRA\n"
-    "with resume_from continues there. Loss Graph saves the learning curve (PNG + CSV).\n"
-    "Re-running the unchanged graph does not retrain (seeds are fixed); change an input to retrain."
+    "Attach LoRA: rank/alpha/targets. Train Settings: optimizer, lr schedule, timesteps, caption dropout.\n"
+    "Every 250 steps a checkpoint lands in models/loras/my_lora/ as my_lora_step<N>.safetensors (every LoRA\n"
+    "loader lists it) with its training state beside it: resume_from=my_lora/my_lora_step000250.safetensors\n"
+    "continues there. The chart on Train LoRA shows the loss live; at the start of a run the node shows the\n"
+    "dataset report (samples, sizes, buckets, captions). Stop keeps the LoRA so far.\n"
+    "Save LoRA writes models/loras/" + REAL_LORA_PREFIX + "_00001_.safetensors (the counter grows on later\n"
+    "runs; it never overwrites) and its training state into output/precision_lora/checkpoints, so a later\n"
+    "Train LoRA with resume_from=" + REAL_LORA + " continues there.\n"
+    "Loss Graph saves the learning curve (PNG + CSV).\n"
+    "Re-running the unchanged graph does not retrain (seeds are fixed); change an input to retrain.\n\n"
+    "Optional: Precision Resolution Buckets between the folder loader and Make Training Dataset resizes\n"
+    "images to one training resolution; ComfyUI's AddTextPrefix after the folder loader adds a trigger word\n"
+    "to every caption; Precision Preview Settings on Train LoRA's preview input samples images every N steps."
 )
 
 REAL_INFER_NOTE = (
@@ -83,13 +90,15 @@ TRAIN_NOTE = (
     "2. Attach LoRA: rank/alpha and target layers. fp32_accumulation keeps the low-rank path in fp32 and\n"
     "   adds it before the output is rounded (small updates survive a bf16 model).\n"
     "3. Train Settings: optimizer, learning rate schedule, timestep sampling, checkpoints, NaN policy.\n"
-    "4. Train LoRA (first): N steps. The chart on the node shows the loss live; Stop ends early and keeps\n"
-    "   the LoRA so far; Checkpoint now writes a checkpoint after the current step.\n"
+    "4. Train LoRA (first): N steps. The node shows the dataset report and the loss live; Stop ends early\n"
+    "   and keeps the LoRA so far; Checkpoint now writes models/loras/demo_lora/demo_lora_step<N>.safetensors\n"
+    "   (every LoRA loader lists it) with its training state beside it, for resume_from.\n"
+    "   A Precision Preview Settings node on its preview input samples images every N steps on the node.\n"
     "5. KSampler + preview: a look at the model with the LoRA half-way.\n"
     "6. Train LoRA (second): continues the same training state (same optimizer, same loss sequence).\n"
     "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata) and, from the\n"
-    "   training_state link, demo_lora.state.pt in output/precision_lora/checkpoints: a later Train LoRA\n"
-    "   with resume_from=demo_lora.safetensors continues exactly there;\n"
+    "   training_state link, its training state into output/precision_lora/checkpoints: a later Train LoRA\n"
+    "   with resume_from=" + DEMO_LORA + " continues exactly there;\n"
     "   Loss Graph draws the whole run's learning curve (raw + smoothed) and saves it (PNG + CSV)."
 )
 
@@ -202,9 +211,11 @@ def train_spec() -> dict:
                 control={"seed": "fixed"}, size=[300, 270]),
             _node(9, "PrecisionDemoPreview", [1200, 310], size=[300, 30]),
             _node(10, "PreviewImage", [1200, 380], size=[300, 280], title="Preview after the first N steps"),
-            _node(11, "PrecisionTrainLoRA", [760, 520], {"steps": 20, "seed": 0, "name": "demo_lora"},
+            # Below the first Train LoRA with room for what it shows once it runs: the dataset report (up to
+            # ~230 px) and the preview images (~220 px) make it ~800-930 px tall.
+            _node(11, "PrecisionTrainLoRA", [760, 1000], {"steps": 20, "seed": 0, "name": "demo_lora"},
                   control={"seed": "fixed"}, size=[400, 470], title="Train LoRA (N more steps)"),
-            _node(12, "PrecisionSaveLoRA", [1200, 720], {
+            _node(12, "PrecisionSaveLoRA", [1200, 1000], {
                 "filename_prefix": DEMO_LORA[: -len(".safetensors")], "folder": "loras", "save_dtype": "fp32",
                 "key_style": "auto", "use_counter": False, "overwrite": True}, size=[300, 190]),
             _node(13, "PrecisionLossGraph", [1540, 520], {"smoothing": 0.9, "log_scale": False, "width": 768,
@@ -234,10 +245,11 @@ def real_train_spec() -> dict:
             _node(8, "MakeTrainingDataset", [0, 840], size=[340, 100]),
             _node(9, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_lora"},
                   control={"seed": "fixed"}, size=[400, 470]),
-            _node(10, "PrecisionSaveLoRA", [760, 520], {
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(10, "PrecisionSaveLoRA", [1200, 660], {
                 "filename_prefix": REAL_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
                 "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(11, "PrecisionLossGraph", [760, 750], {"smoothing": 0.9, "log_scale": False, "width": 768,
+            _node(11, "PrecisionLossGraph", [1640, 660], {"smoothing": 0.9, "log_scale": False, "width": 768,
                   "height": 384, "filename_prefix": "precision_lora/my_lora_loss"}, size=[560, 470]),
             _note(12, [1200, 0], [760, 600], REAL_TRAIN_NOTE),
         ],
