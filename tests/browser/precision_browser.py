@@ -119,7 +119,7 @@ PAGE_READY = """() => {
   if (!window.LiteGraph?.registered_node_types?.["PrecisionLoadDiffusionModel"]) return false;
   const names = (app.extensions || []).map((e) => e.name);
   return ["precision_lora.train_chart", "precision_lora.lora_info", "precision_lora.scale_display",
-    "precision_lora.seed_default"]
+    "precision_lora.seed_default", "precision_lora.train_report"]
     .every((n) => names.includes(n));
 }"""
 
@@ -222,4 +222,25 @@ DISMISS_BANNER = """() => {
   const b = document.querySelector("div.from-blue-600 > button.right-4");
   if (b) b.click();
   return Boolean(b);
+}"""
+
+
+# Every node's box on the canvas (title bar included) and the pairs of nodes whose boxes overlap.
+NODE_OVERLAPS = """() => {
+  const app = window.comfyAPI.app.app;
+  const LG = window.LiteGraph;
+  const boxes = app.graph.nodes.map((n) => {
+    const title = n.constructor?.title_mode === LG.NO_TITLE ? 0 : LG.NODE_TITLE_HEIGHT;
+    return [Number(n.id), n.type, [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title]];
+  });
+  const overlaps = [];
+  for (let i = 0; i < boxes.length; i++) {
+    for (let j = i + 1; j < boxes.length; j++) {
+      const [a, b] = [boxes[i][2], boxes[j][2]];
+      if (a[0] < b[0] + b[2] && b[0] < a[0] + a[2] && a[1] < b[1] + b[3] && b[1] < a[1] + a[3]) {
+        overlaps.push([boxes[i][0], boxes[j][0]]);
+      }
+    }
+  }
+  return { boxes, overlaps };
 }"""

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, fit_view
+from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, NODE_OVERLAPS, PAGE_READY, fit_view
 from test_training_ui import FIRST_TRAIN, LONG_RUN_STEPS, SECOND_TRAIN, _wait_idle
 
 pytestmark = pytest.mark.browser
@@ -47,13 +47,15 @@ ADD_PREVIEW = """([trainId, condId, vaeName]) => {
   const app = window.comfyAPI.app.app;
   const train = app.graph.getNodeById(trainId);
   const cond = app.graph.getNodeById(condId);
+  // Below every node of the demo (the run's overlap check covers these two as well).
+  const bottom = Math.max(...app.graph.nodes.map((n) => n.pos[1] + n.size[1])) + 80;
   const vae = window.LiteGraph.createNode("VAELoader");
   app.graph.add(vae);
-  vae.pos = [train.pos[0] - 700, train.pos[1] + 420];
+  vae.pos = [0, bottom];
   vae.widgets.find((w) => w.name === "vae_name").value = vaeName;
   const pv = window.LiteGraph.createNode("PrecisionPreviewSettings");
   app.graph.add(pv);
-  pv.pos = [train.pos[0] - 380, train.pos[1] + 420];
+  pv.pos = [380, bottom];
   const set = { steps: 2, width: 64, height: 64, batch_size: 1, seed: 7, every_n_steps: 2, at_start: false,
                 at_end: true };
   for (const [name, value] of Object.entries(set)) pv.widgets.find((w) => w.name === name).value = value;
@@ -115,19 +117,48 @@ CHART_DONE = """(id) => {
 }"""
 
 
-MOVE_DOWN = """([id, dy]) => {
-  const app = window.comfyAPI.app.app;
-  const node = app.graph.getNodeById(id);
-  node.pos = [node.pos[0], node.pos[1] + dy];
-  app.graph.setDirtyCanvas(true, true);
-  return true;
-}"""
-
 # What the node draws: the loaded preview images (node.imgs) and the widgets that hold them and the text.
 NODE_DRAWING = """(id) => {
   const node = window.comfyAPI.app.app.graph.getNodeById(id);
   return { imgs: (node.imgs || []).map((i) => [i.naturalWidth, i.naturalHeight]), size: [...node.size],
            widgets: (node.widgets || []).map((w) => [w.name, w.y ?? null, w.computedHeight ?? null]) };
+}"""
+
+
+# The frontend's report widget as drawn: the text's rendered height, the height the widget gives it and
+# whether any of it is hidden (scrolled or clipped by the widget's box).
+REPORT_FIT = """(id) => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.getNodeById(id);
+  const widget = node.widgets?.find((w) => w.name === "$$node-text-preview");
+  const span = [...document.querySelectorAll(".dom-widget span")].find((e) => e.textContent.startsWith("dataset:"));
+  if (!widget || !span) return { widget: Boolean(widget), span: Boolean(span) };
+  const scroller = span.closest(".overflow-y-auto");
+  const box = span.closest(".dom-widget").getBoundingClientRect();
+  const text = span.getBoundingClientRect();
+  const scale = app.canvas.ds.scale;
+  return { lines: String(widget.value).split("\\n").length, textLines: Math.round(text.height / scale / 16),
+           textHeight: text.height / scale, widgetHeight: widget.computedHeight,
+           scrolled: scroller.scrollHeight > scroller.clientHeight + 1,
+           clipped: text.bottom > box.bottom + 1 || text.top < box.top - 1 };
+}"""
+
+# What the node keeps of its run (saved with the workflow).
+KEPT = """(id) => {
+  const p = window.comfyAPI.app.app.graph.getNodeById(id).properties;
+  return { report: p.precision_dataset_report ?? null, previews: p.precision_preview_images ?? [] };
+}"""
+
+# Truthy once the reloaded page shows the kept report and has loaded the kept preview images on the node.
+RESTORED = """(id) => {
+  const app = window.comfyAPI.app.app;
+  const node = app.graph.getNodeById(id);
+  const el = document.querySelector(".precision-lora-report");
+  const imgs = node?.imgs ?? [];
+  if (!node || !el || !imgs.length || imgs.some((i) => !i.complete)) return false;
+  return { text: el.textContent, properties: node.properties.precision_preview_images ?? [],
+           outputs: app.nodeOutputs[String(id)]?.images ?? [],
+           imgs: imgs.map((i) => ({ src: i.src, width: i.naturalWidth })) };
 }"""
 
 
@@ -156,9 +187,6 @@ def preview_run(comfy_page, comfy_server, vae_file):
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "name", RUN_NAME]) == RUN_NAME
     assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
-    # The first Train LoRA grows by the report text and the preview image (about 280 px); the demo graph has the
-    # second one right below it, which would be drawn over them. Move it down, as a user would.
-    page.evaluate(MOVE_DOWN, [SECOND_TRAIN, 320])
     fit_view(page)
     page.screenshot("preview_01_wired")
 
@@ -192,6 +220,22 @@ def preview_run(comfy_page, comfy_server, vae_file):
     fit_view(page)
     page.screenshot("preview_03_finished")
     facts["steps_after"] = _preview_steps(server)
+    facts["overlaps"] = page.evaluate(NODE_OVERLAPS)
+    facts["report_fit"] = page.evaluate(REPORT_FIT, FIRST_TRAIN)
+    facts["kept"] = page.evaluate(KEPT, FIRST_TRAIN)
+
+    # A reload: the report and the preview images come back from the node's properties (saved with the
+    # workflow); an image deleted on the server meanwhile is dropped without a broken image.
+    gone = facts["kept"]["previews"][0]["filename"]
+    os.remove(os.path.join(_previews_dir(server), gone))
+    facts["gone"] = gone
+    page.console(clear=True)
+    page.call("goto", url=server.url + "/", waitFor=PAGE_READY, timeout=150)
+    facts["restored"] = page.wait_for(RESTORED, FIRST_TRAIN, timeout=60)
+    fit_view(page)
+    page.evaluate(FOCUS_NODE, FIRST_TRAIN)
+    page.evaluate("() => new Promise((r) => setTimeout(() => requestAnimationFrame(() => r(true)), 300))")
+    page.screenshot("preview_04_after_reload")
     facts["pack_errors"] = page.pack_errors()
     return facts
 
@@ -234,4 +278,34 @@ def test_preview_pngs_are_saved_with_the_step_in_their_names(preview_run):
 def test_the_run_completes_and_no_pack_script_errors(preview_run):
     status = preview_run["history"]["status"]
     assert status["status_str"] == "success", json.dumps(status)[:3000]
+    assert preview_run["pack_errors"] == []
+
+
+def test_the_demo_nodes_do_not_overlap_once_the_node_shows_report_and_previews(preview_run):
+    overlaps = preview_run["overlaps"]
+    grown = next(b for b in overlaps["boxes"] if b[0] == FIRST_TRAIN)
+    assert grown[2][3] > 700, grown  # the first Train LoRA did grow by its report and preview image
+    assert overlaps["overlaps"] == [], overlaps
+
+
+def test_the_whole_dataset_report_is_visible(preview_run):
+    fit = preview_run["report_fit"]
+    assert fit.get("lines", 0) >= 2, fit  # the report has a dataset and a captions line
+    assert fit["textLines"] >= fit["lines"], fit  # lines wrap at the node's width, never fewer than the text's
+    assert fit["widgetHeight"] >= fit["textHeight"], fit
+    assert not fit["scrolled"] and not fit["clipped"], fit
+
+
+def test_report_and_preview_images_come_back_after_a_reload(preview_run):
+    kept, restored, gone = preview_run["kept"], preview_run["restored"], preview_run["gone"]
+    assert kept["report"] == preview_run["text"], kept
+    names = [p["filename"] for p in kept["previews"]]
+    assert names == [f"{RUN_NAME}_step{s:06d}_0.png" for s in preview_run["steps_after"]][-16:], names  # the last 16
+    assert all(p["subfolder"] == f"precision_lora/previews/{RUN_NAME}" and p["type"] == "output"
+               for p in kept["previews"]), kept
+    assert restored["text"] == kept["report"]
+    left = [p for p in kept["previews"] if p["filename"] != gone]
+    assert restored["properties"] == left and restored["outputs"] == left, restored
+    assert len(restored["imgs"]) >= 1 and all(i["width"] == 64 for i in restored["imgs"]), restored
+    assert not any(gone in i["src"] for i in restored["imgs"]), restored
     assert preview_run["pack_errors"] == []
