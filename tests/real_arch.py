@@ -14,8 +14,19 @@ What it writes (nothing is downloaded; every weight comes from a seeded generato
   (loads with *Load Diffusion Model (Precision)*).
 - ``input/real_arch_captioned/``: 3 images in two sizes, each with its ``.txt`` caption.
 
-Why CLIP-L and not Flux.1's own pair: T5-XXL has one size in ComfyUI (its config is fixed, ~4.76 B
-parameters, ~9.5 GB in fp16, 256 tokens per caption), too large to build and run at test time on a CPU.
+    python tests/real_arch.py BASE_DIR --t5      (also Flux.1's own text-encoder pair)
+
+- ``models/text_encoders/real_arch_t5xxl_fp8_e4m3fn.safetensors``: T5-XXL's encoder at its real size (4.76 B
+  parameters; ComfyUI has one T5-XXL config), keys and shapes from ComfyUI's own T5 class, stored in
+  float8_e4m3fn as the widely used ``t5xxl_fp8_e4m3fn`` file is (4.76 GB). Written once per checkout into
+  ``.cache/real_arch/`` (about a minute, 1.3 GB of memory: one tensor at a time) and linked into BASE_DIR.
+  ComfyUI computes it in fp32 on a CPU: ~33 s per caption (256 tokens) on a 2-core test machine, ~10 GB
+  resident while loaded.
+- ``models/diffusion_models/real_arch_tiny_flux1.safetensors``: the tiny Flux.1-dev with Flux.1's own text
+  widths (T5-XXL's 4096 per token, CLIP-L's pooled 768), for the shipped workflows' DualCLIPLoader unchanged.
+
+Without ``--t5`` the tests that need speed swap DualCLIPLoader for a CLIPLoader on the same clip_l (see
+swap_names) and train the tiny Flux whose text width is CLIP-L's 768.
 """
 from __future__ import annotations
 
@@ -24,7 +35,11 @@ import math
 import os
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache", "real_arch")  # files too large to write per test server (gitignored)
 VAE_NAME = "real_arch_flux_ae.safetensors"
+T5_NAME = "real_arch_t5xxl_fp8_e4m3fn.safetensors"
+TINY_FLUX_T5_NAME = "real_arch_tiny_flux1.safetensors"
 CLIP_L_NAME = "real_arch_clip_l.safetensors"
 TINY_FLUX_NAME = "real_arch_tiny_flux1_clip_l.safetensors"
 DATASET = "real_arch_captioned"
@@ -92,14 +107,68 @@ def clip_l_state_dict(seed: int = 0) -> dict:
     return {k: v.to(torch.float16) for k, v in model.transformer.state_dict().items()}
 
 
-def write_tiny_flux_for_clip_l(path: str, seed: int = 0) -> None:
+def t5xxl_shapes() -> dict[str, tuple[int, ...]]:
+    """Names and shapes of T5-XXL's encoder as ComfyUI builds it (its own class and config, on the meta
+    device: nothing is allocated)."""
+    import torch
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+
+    with open(os.path.join(os.path.dirname(t5.__file__), "t5_config_xxl.json")) as f:
+        config = json.load(f)
+    with torch.device("meta"):
+        model = t5.T5(config, torch.float32, "meta", comfy.ops.manual_cast)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def write_t5xxl_fp8(path: str, seed: int = 0) -> None:
+    """T5-XXL in float8_e4m3fn, written one tensor at a time (safetensors' layout: an 8-byte header length,
+    the JSON header, then each tensor's bytes in header order), so memory stays at one tensor."""
+    import struct
+
+    import torch
+
+    shapes = t5xxl_shapes()
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        header[name] = {"dtype": "F8_E4M3", "shape": list(shape), "data_offsets": [offset, offset + math.prod(shape)]}
+        offset += math.prod(shape)
+    header["__metadata__"] = {"precision_lora.real_arch": "T5-XXL encoder, random weights, seed %d" % seed}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape in shapes.items():
+            if name == "shared.weight":  # token embedding: read by index, not multiplied
+                t = torch.randn(shape, generator=gen)
+            elif "relative_attention_bias" in name:
+                t = 0.1 * torch.randn(shape, generator=gen)
+            elif len(shape) >= 2:  # fan-in scaled, as _fill: activations stay near unit scale through 24 blocks
+                t = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+            else:  # RMS-norm gains
+                t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+            f.write(t.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_tiny_flux(path: str, text_width: int, seed: int = 0) -> None:
+    """The demo's tiny Flux.1-dev with ``text_width`` per text token (T5-XXL's 4096 or CLIP-L's 768) and
+    CLIP-L's pooled 768; config in the file's metadata."""
     tiny = _pack_module("demo.tiny_models")
     compat = _pack_module("precision_nodes.comfy_compat")
     load_model = _pack_module("precision_nodes.load_model")
-    config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": 768, "vec_in_dim": 768})
+    config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": text_width,
+                                     "vec_in_dim": 768})
     patcher = tiny.build_tiny_model("flux1_dev", seed=seed, unet_config=config)
+    family = "flux1_dev_clip_l" if text_width == 768 else "flux1_dev"
     _save(tiny.tiny_state_dict(patcher), path, {load_model.UNET_CONFIG_KEY: json.dumps(config),
-                                                "precision_lora.tiny_family": "flux1_dev_clip_l"})
+                                                "precision_lora.tiny_family": family})
 
 
 def write_dataset(folder: str) -> None:
@@ -117,8 +186,9 @@ def write_dataset(folder: str) -> None:
             f.write(caption + "\n")
 
 
-def write_all(base: str, seed: int = 0) -> dict[str, str]:
-    """Writes every file that is missing under ``base``; returns {what: path}."""
+def write_all(base: str, seed: int = 0, t5: bool = False) -> dict[str, str]:
+    """Writes every file that is missing under ``base`` (``t5``: also T5-XXL, linked from the cache, and the
+    tiny Flux with T5-XXL's text width); returns {what: path}."""
     paths = {
         "vae": os.path.join(base, "models", "vae", VAE_NAME),
         "clip_l": os.path.join(base, "models", "text_encoders", CLIP_L_NAME),
@@ -130,9 +200,19 @@ def write_all(base: str, seed: int = 0) -> dict[str, str]:
     if not os.path.exists(paths["clip_l"]):
         _save(clip_l_state_dict(seed), paths["clip_l"])
     if not os.path.exists(paths["model"]):
-        write_tiny_flux_for_clip_l(paths["model"], seed)
+        write_tiny_flux(paths["model"], 768, seed)
     if not os.path.isdir(paths["dataset"]):
         write_dataset(paths["dataset"])
+    if t5:
+        paths["t5"] = os.path.join(base, "models", "text_encoders", T5_NAME)
+        paths["model_t5"] = os.path.join(base, "models", "diffusion_models", TINY_FLUX_T5_NAME)
+        cached = os.path.join(CACHE, T5_NAME)
+        if not os.path.exists(cached):
+            write_t5xxl_fp8(cached, seed)
+        if not os.path.exists(paths["t5"]):
+            os.symlink(cached, paths["t5"])
+        if not os.path.exists(paths["model_t5"]):
+            write_tiny_flux(paths["model_t5"], 4096, seed)
     return paths
 
 
@@ -142,14 +222,15 @@ SHIPPED = {"model": "flux1-dev.safetensors", "clip_l": "clip_l.safetensors", "t5
            "vae": "ae.safetensors", "dataset": "my_lora_dataset"}
 
 
-def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[str]]:
+def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False) -> tuple[dict, list[str]]:
     """The API prompt of a shipped real workflow with this module's files picked; returns it and the list of
     edits made (what a user would do in the page). Every name edit checks the shipped value first.
 
-    Two edits are not name picks: DualCLIPLoader (clip_l + T5-XXL, type flux) becomes CLIPLoader (the same
-    clip_l, type stable_diffusion) under the same node id and links, because T5-XXL cannot be built here;
-    and an empty latent's size becomes 64 x 64, because a real-size Flux VAE decodes 1024 x 1024 far too
-    slowly on a CPU."""
+    ``t5``: DualCLIPLoader keeps its type and gets this module's clip_l and T5-XXL (two name picks) and the
+    model is the tiny Flux with T5-XXL's text width. Otherwise (fast) DualCLIPLoader becomes CLIPLoader (the
+    same clip_l, type stable_diffusion) under the same node id and links, and the model is the tiny Flux with
+    CLIP-L's text width: not a name pick. Either way an empty latent's size becomes 64 x 64 (not a name
+    pick), because a real-size Flux VAE decodes 1024 x 1024 far too slowly on a CPU."""
     import copy
 
     out, edits = copy.deepcopy(prompt), []
@@ -157,7 +238,7 @@ def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[s
         inputs, kind = node["inputs"], node["class_type"]
         if kind == "PrecisionLoadDiffusionModel":
             assert inputs["model_name"] == SHIPPED["model"] and inputs["weight_dtype"] == "default", inputs
-            inputs["model_name"] = TINY_FLUX_NAME
+            inputs["model_name"] = TINY_FLUX_T5_NAME if t5 else TINY_FLUX_NAME
             edits.append(f"{nid}.model_name")
         elif kind == "VAELoader":
             assert inputs["vae_name"] == SHIPPED["vae"], inputs
@@ -170,6 +251,10 @@ def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[s
         elif kind == "DualCLIPLoader":
             assert (inputs["clip_name1"], inputs["clip_name2"], inputs["type"]) == (
                 SHIPPED["clip_l"], SHIPPED["t5"], "flux"), inputs
+            if t5:
+                inputs["clip_name1"], inputs["clip_name2"] = CLIP_L_NAME, T5_NAME
+                edits += [f"{nid}.clip_name1", f"{nid}.clip_name2"]
+                continue
             out[nid] = {"class_type": "CLIPLoader",
                        "inputs": {"clip_name": CLIP_L_NAME, "type": "stable_diffusion", "device": inputs["device"]}}
             edits.append(f"{nid}: DualCLIPLoader -> CLIPLoader")
@@ -189,7 +274,7 @@ def _pack_module(name: str):
     """A sub-module of the pack as ComfyUI loaded it in this process (the demo's tiny Flux builder)."""
     import importlib
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import comfy_bootstrap
 
     pack = comfy_bootstrap.load_pack_in_process(_BASE[0])
@@ -197,12 +282,14 @@ def _pack_module(name: str):
 
 
 def main(argv: list[str]) -> None:
+    t5 = "--t5" in argv
+    argv = [a for a in argv if a != "--t5"]
     if len(argv) != 1:
-        raise SystemExit("usage: real_arch.py BASE_DIR")
+        raise SystemExit("usage: real_arch.py BASE_DIR [--t5]")
     base = os.path.abspath(argv[0])
     _BASE.append(base)
     _pack_module("demo")  # imports ComfyUI (CPU) with this base directory first
-    for what, path in write_all(base).items():
+    for what, path in write_all(base, t5=t5).items():
         sys.stderr.write(f"[Precision LoRA] real-architecture {what}: {path}\n")
 
 

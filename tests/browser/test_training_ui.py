@@ -88,11 +88,12 @@ DESELECT = """() => {
 }"""
 
 
-def _run_from_page(page, server) -> dict:
-    """Presses Run; returns the history entry of the prompt it queued once the queue is idle again."""
+def _run_from_page(page, server, timeout: float = 120) -> dict:
+    """Presses Run; returns the history entry of the prompt it queued once the queue is idle again
+    (``timeout``: seconds for that prompt to finish)."""
     _, before = server.get("/history")
     page.call("click", selector='[data-testid="queue-button"]')
-    deadline = time.time() + 120
+    deadline = time.time() + timeout
     while time.time() < deadline:
         _, hist = server.get("/history")
         if len(hist) > len(before):
