@@ -21,7 +21,7 @@ import time
 import pytest
 
 from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, NODE_OVERLAPS, PAGE_READY, fit_view
-from test_training_ui import FIRST_TRAIN, LONG_RUN_STEPS, SECOND_TRAIN, _wait_idle
+from test_training_ui import DESELECT, FIRST_TRAIN, FOCUS_NODE, LONG_RUN_STEPS, SECOND_TRAIN, _wait_idle
 
 pytestmark = pytest.mark.browser
 
@@ -91,24 +91,6 @@ PREVIEW_IMAGE = """async (id) => {
   const img = new Image();
   const ok = await new Promise((r) => { img.onload = () => r(true); img.onerror = () => r(false); img.src = urls[0]; });
   return ok ? { url: urls[0], width: img.naturalWidth, height: img.naturalHeight } : null;
-}"""
-
-FOCUS_NODE = """(id) => {
-  const app = window.comfyAPI.app.app;
-  const node = app.graph.getNodeById(id);
-  const ds = app.canvas.ds;
-  ds.scale = 1;
-  ds.offset[0] = -node.pos[0] + 140;
-  ds.offset[1] = -node.pos[1] + 120;
-  app.canvas.setDirty(true, true);
-  return true;
-}"""
-
-DESELECT = """() => {
-  const canvas = window.comfyAPI.app.app.canvas;
-  (canvas.deselectAll ?? canvas.deselectAllNodes).call(canvas);
-  canvas.setDirty(true, true);
-  return true;
 }"""
 
 CHART_DONE = """(id) => {

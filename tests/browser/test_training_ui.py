@@ -120,7 +120,16 @@ def _wait_idle(server, timeout: float = 240) -> dict:
 @pytest.fixture(scope="module")
 def training_run(comfy_page, comfy_server):
     """The user's session: everything the tests below assert on is collected here, in order."""
-    page = comfy_page
+    try:
+        return _training_run(comfy_page, comfy_server)
+    except BaseException:
+        # a step that failed mid-run must not leave the long training running under the rest of the suite
+        comfy_server.request("/queue", {"clear": True})
+        comfy_server.interrupt()
+        raise
+
+
+def _training_run(page, comfy_server) -> dict:
     page.console(clear=True)
     _drop(page, "train_lora_demo.json")
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
@@ -142,7 +151,9 @@ def training_run(comfy_page, comfy_server):
     page.evaluate(FOCUS_NODE, FIRST_TRAIN)
     page.screenshot("train_03_after_reload")
 
-    # Stop on the node that is not training is refused by the server, and the node says why.
+    # Stop on the node that is not training is refused by the server, and the node says why. The second node
+    # sits below the first one's room for its report and previews: bring it into view as a user scrolls.
+    page.evaluate(FOCUS_NODE, SECOND_TRAIN)
     page.call("click", selector=f'{_chart(SECOND_TRAIN)} button[data-precision-action="stop"]')
     facts["wrong_node_message"] = page.wait_for(
         f"""() => {{ const t = ({CHART_STATE})({SECOND_TRAIN}).message; return /not training now/.test(t) ? t : false; }}""",
@@ -150,6 +161,7 @@ def training_run(comfy_page, comfy_server):
     # Clicking on the second node selected it; its selection toolbox (drawn above it) can cover the bottom of
     # the first node, where its buttons are. A user clicks the empty canvas first; so does the test.
     page.evaluate(DESELECT)
+    page.evaluate(FOCUS_NODE, FIRST_TRAIN)
     page.call("click", selector=f'{_chart(FIRST_TRAIN)} button[data-precision-action="checkpoint"]')
     facts["checkpoint_message"] = page.wait_for(
         f"""() => {{ const t = ({CHART_STATE})({FIRST_TRAIN}).message; return /checkpoint requested/.test(t) ? t : false; }}""",
