@@ -21,7 +21,7 @@ import time
 import pytest
 
 from precision_browser import CLEAR_TOASTS, DROP_WORKFLOW, GRAPH_LOADED, NODE_OVERLAPS, PAGE_READY, fit_view
-from test_training_ui import DESELECT, FIRST_TRAIN, FOCUS_NODE, LONG_RUN_STEPS, SECOND_TRAIN, _wait_idle
+from test_training_ui import DESELECT, FIRST_TRAIN, FOCUS_NODE, LONG_RUN_STEPS, SECOND_TRAIN, SET_WIDGET, _wait_idle
 
 pytestmark = pytest.mark.browser
 
@@ -64,13 +64,6 @@ ADD_PREVIEW = """([trainId, condId, vaeName]) => {
   pv.connect(0, train, train.findInputSlot("preview"));
   app.graph.setDirtyCanvas(true, true);
   return { vae: vae.id, preview: pv.id, linked: train.inputs[train.findInputSlot("preview")].link != null };
-}"""
-
-SET_WIDGET = """([id, name, value]) => {
-  const node = window.comfyAPI.app.app.graph.getNodeById(id);
-  const w = node.widgets.find((x) => x.name === name);
-  w.value = value;
-  return w.value;
 }"""
 
 # Truthy once the running Train LoRA node holds a live preview (and its chart says it is still training).
