@@ -40,7 +40,7 @@ unpack_033() {  # ComfyUI 0.33.0 from the shipped source tarball, checked agains
   "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" tarball "$tarball" "$HOST_COMFY" --sha256 "$COMFYUI_033_SHA256"
 }
 
-# torchaudio is a hard import of ComfyUI 0.20+, but PyPI's newest (2.11.0) is a CUDA build for another torch
+# torchaudio is a hard import of ComfyUI 0.20+ (and of 0.3.75's audio nodes), but PyPI's newest (2.11.0) is a CUDA build for another torch
 # whose C++ library fails to load here. Its Python part works without it (torchaudio's _load_lib then
 # returns False), so we install that part alone: the wheel's files minus lib/*.so, into .hosts/<name>/pure,
 # on the venv's path through a .pth file. ComfyUI's audio nodes that need the C++ ops stay unavailable.
@@ -75,7 +75,7 @@ setup_shipped_host() {
   if [ ! -f "$HOST_COMFY/main.py" ]; then
     case "$HOST_NAME" in 0.3.75) unpack_0375 ;; 0.33.0) unpack_033 ;; esac
   fi
-  [ "$HOST_NAME" = 0.3.75 ] || torchaudio_python_part
+  torchaudio_python_part  # 0.33 imports it at start; 0.3.75's audio nodes do (IMPORT FAILED without it)
 }
 
 setup_custom_host() {
