@@ -44,6 +44,9 @@ LEFT_OUT = [
     ("sageattention 2.x", "its CUDA kernels are not on PyPI as wheels; 1.0.6 (Triton) is bundled"),
     ("nvidia-cutlass-dsl-libs-cu12", "named by nvidia-cutlass-dsl without its [cu13] extra; the cu13 libs match "
      "the image's CUDA 13"),
+    ("comfyui-workflow-templates-media-* (both locks)", "example images and videos of ComfyUI's template browser, "
+     "~530 MB = 9 transfer calls; no test or bench opens a template, and ComfyUI without them logs "
+     "'Failed to resolve template asset paths' and serves everything else (scripts/gpu/assumed.env BUNDLE_DROP)"),
     ("Chromium, node, playwright-core (browser tier)", "not Python packages; the browser tier stays a CPU tier"),
 ]
 
