@@ -11,7 +11,8 @@ Every pack node derives from ``PrecisionNode``:
   against its options, BOOLEAN, and the inputs named in ``FILE_NAME_INPUTS`` through
   ``file_names.name_problem``.
   Then the node's ``check(values)`` runs the rules that need no tensors (regexes, combinations, files that
-  must exist). Linked inputs arrive as None during validation and are skipped.
+  must exist). A linked input is not known yet during validation: ComfyUI hands it over as None, or, to an
+  input-list node, as the tuple ``(None,)`` (a literal value comes as ``[value]``); such values are skipped.
 - ``execute`` is wrapped (once, in ``__init_subclass__``) to run the same gate on the values it really
   receives, linked ones included, and raise ``ValueError`` before the node does anything.
 
@@ -70,9 +71,16 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
     return None
 
 
+def _items(value: Any, listed: bool) -> list[Any]:
+    """The values one input holds: an input-list node gets a list (a literal during validation: ``[value]``;
+    at execution: the values) or, for a link during validation, the tuple ``(None,)``; other nodes one value."""
+    return list(value) if listed and isinstance(value, (list, tuple)) else [value]
+
+
 def _first(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Input-list nodes get every input as a list: the first item of each, for the node's own check."""
-    return {k: (v[0] if isinstance(v, list) and v else None if isinstance(v, list) else v) for k, v in values.items()}
+    """Input-list nodes get every input as a list: the first item of each (None for an empty list or a link
+    not resolved yet), for the node's own check."""
+    return {k: (_items(v, True) or [None])[0] for k, v in values.items()}
 
 
 def gate(cls: type, values: Mapping[str, Any]) -> str | None:
@@ -85,7 +93,7 @@ def gate(cls: type, values: Mapping[str, Any]) -> str | None:
         if name not in specs or value is None:
             continue
         kind, info = specs[name]
-        for item in (value if listed and isinstance(value, list) else [value]):
+        for item in _items(value, listed):  # None: linked, not known until execution
             problem = None if item is None else value_problem(kind, info, item, names.get(name), folders.get(name))
             if problem is not None:
                 return f"{cls.NODE}: input '{name}'={show(item)} {problem}"
@@ -140,5 +148,5 @@ class PrecisionNode(io.ComfyNode):
     @classmethod
     def check(cls, values: dict[str, Any]) -> str | None:
         """Node-specific rules without tensors: ``"input 'x'=<value> <problem>; <fix>"`` or None. Values of
-        linked inputs are None during validation."""
+        linked inputs are None during validation (input-list nodes: the first item of each input)."""
         return None

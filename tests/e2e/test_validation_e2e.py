@@ -1,0 +1,145 @@
+"""ComfyUI's own validation of pack nodes, through a real server's /prompt (issue 22).
+
+Item 1: during validation ComfyUI hands a linked input over as ``(None,)`` (input-list nodes get the tuple
+itself); the pack's input gate treats it as "not known yet" and checks the real value at execution.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from training.settings import TrainSettings
+
+pytestmark = pytest.mark.e2e
+
+COSMOS = "precision_tiny_cosmos.safetensors"
+ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
+              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
+              dry_run=False, init_lora="none")
+DATASET = "validation_e2e_dataset"
+SIZES = [(80, 48), (48, 80)]  # landscape and portrait: two buckets
+CAPTIONS = ["a red square", "a blue square"]
+
+
+def post(server, prompt: dict) -> tuple[int, dict]:
+    """(HTTP status, body) of POST /prompt, without raising on a refusal."""
+    return server.request("/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+
+
+def node_errors(body: dict, node: str) -> list[dict]:
+    return body.get("node_errors", {}).get(node, {}).get("errors", [])
+
+
+@pytest.fixture(scope="module")
+def dataset(comfy_server) -> str:
+    """A folder of two captioned images in the server's input folder (what LoadImageTextDataSetFromFolder reads)."""
+    folder = os.path.join(comfy_server.base_dir, "input", DATASET)
+    os.makedirs(folder, exist_ok=True)
+    for i, ((w, h), text) in enumerate(zip(SIZES, CAPTIONS)):
+        Image.new("RGB", (w, h), (200 * (i == 0), 0, 200 * (i == 1))).save(os.path.join(folder, f"img{i}.png"))
+        with open(os.path.join(folder, f"img{i}.txt"), "w") as f:
+            f.write(text)
+    return DATASET
+
+
+def _buckets_prompt(folder: str, **inputs) -> dict:
+    return {
+        "1": {"class_type": "LoadImageTextDataSetFromFolder", "inputs": {"folder": folder}},
+        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
+            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0, **inputs}},
+        "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 2]}},
+        "4": {"class_type": "PreviewAny", "inputs": {"source": ["2", 1]}},
+    }
+
+
+def test_buckets_with_linked_texts_are_accepted_and_run(server, dataset):
+    """Issue 22 item 1: the documented wiring loader -> buckets (texts linked) was refused with
+    "input 'texts'=(None,) is not text (got tuple)"."""
+    entry = server.run(_buckets_prompt(dataset))
+    (report,) = entry["outputs"]["3"]["text"]
+    assert report.startswith("2 images -> 2 buckets of about 64^2 px: "), report
+    assert "80x48 (1)" in report and "48x80 (1)" in report and "multiple 16 px" in report, report
+    assert sorted(entry["outputs"]["4"]["text"]) == sorted(CAPTIONS)
+
+
+def test_buckets_with_every_widget_linked_are_accepted_and_use_the_linked_values(server, dataset):
+    prompt = _buckets_prompt(dataset, resolution=["5", 0], multiple=["6", 0], max_upscale=["7", 0])
+    prompt["5"] = {"class_type": "PrimitiveInt", "inputs": {"value": 128}}
+    prompt["6"] = {"class_type": "PrimitiveInt", "inputs": {"value": 32}}
+    prompt["7"] = {"class_type": "PrimitiveFloat", "inputs": {"value": 3.0}}
+    entry = server.run(prompt)
+    (report,) = entry["outputs"]["3"]["text"]
+    assert report.startswith("2 images -> ") and "about 128^2 px" in report and "multiple 32 px" in report, report
+
+
+def test_a_linked_bad_value_is_refused_at_execution_naming_node_input_and_value(server, dataset):
+    """Skipped at validation (not known yet), the real value still goes through the gate before the node runs."""
+    prompt = _buckets_prompt(dataset, resolution=["5", 0])
+    prompt["5"] = {"class_type": "PrimitiveInt", "inputs": {"value": 63}}
+    entry = server.wait(server.post_prompt(prompt))
+    assert entry["status"]["status_str"] == "error"
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_id"] == "2", errors
+    assert "PrecisionResolutionBuckets: input 'resolution'=63 is below the minimum 64" in errors[0]["exception_message"]
+
+
+def test_a_literal_bad_value_is_still_refused_at_validation(server, dataset):
+    status, body = post(server, _buckets_prompt(dataset, max_upscale=float("nan")))
+    assert status == 400
+    details = " | ".join(e["details"] for e in node_errors(body, "2"))
+    assert "PrecisionResolutionBuckets: input 'max_upscale'=nan is not a finite number; use a value in [1, 16]" \
+        in details, json.dumps(body)[:2000]
+
+
+def _train_prompt(steps, seed, name, prefix: str) -> dict:
+    settings = TrainSettings(learning_rate=1e-2, checkpoint_every=3).to_dict()
+    return {
+        "1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}},
+        "2": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["1", 0], **ATTACH}},
+        "3": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["1", 0], "text": "sks", "seed": 0, "tokens": 8}},
+        "4": {"class_type": "PrecisionDemoLatent", "inputs": {"model": ["1", 0], "width": 32, "height": 32,
+                                                              "batch_size": 1, "seed": 1}},
+        "5": {"class_type": "PrecisionTrainSettings", "inputs": settings},
+        "6": {"class_type": "PrecisionTrainLoRA", "inputs": {
+            "model": ["2", 0], "latents": ["4", 0], "conditioning": ["3", 0], "settings": ["5", 0],
+            "steps": steps, "seed": seed, "name": name}},
+        "7": {"class_type": "PrecisionSaveLoRA", "inputs": {
+            "model": ["6", 0], "filename_prefix": prefix, "folder": "loras", "save_dtype": "fp32",
+            "key_style": "auto", "use_counter": True, "overwrite": False}},
+    }
+
+
+def test_train_lora_with_steps_name_and_seed_linked_from_primitive_nodes(server):
+    """Issue 22 item 1: Train LoRA's steps/name/seed from PrimitiveInt / PrimitiveString were refused with
+    "input 'steps'=(None,) is not an integer (got tuple)". Linked, they train exactly like the same literals."""
+    run = f"linked_{uuid.uuid4().hex[:8]}"
+    linked = _train_prompt(["10", 0], ["11", 0], ["12", 0], f"{run}/linked")
+    linked.update({"10": {"class_type": "PrimitiveInt", "inputs": {"value": 3}},
+                   "11": {"class_type": "PrimitiveInt", "inputs": {"value": 7}},
+                   "12": {"class_type": "PrimitiveString", "inputs": {"value": run}}})
+    status, body = post(server, linked)
+    assert status == 200, json.dumps(body)[:3000]
+    entry = server.wait(body["prompt_id"])
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+    literal = server.run(_train_prompt(3, 7, f"{run}_literal", f"{run}/literal"))
+    (a,), (b,) = entry["outputs"]["7"]["text"], literal["outputs"]["7"]["text"]
+    with safetensors.safe_open(a, "pt") as f:
+        assert f.metadata()["ss_steps"] == "3"
+    ours, ref = safetensors.torch.load_file(a), safetensors.torch.load_file(b)
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
+    assert any(k.endswith("lora_up.weight") and ours[k].abs().max() > 0 for k in ours), "the LoRA did not train"
+    # the linked name is the run's name: its checkpoint folder and file
+    assert os.path.isfile(os.path.join(server.base_dir, "models", "loras", run, f"{run}_step000003.safetensors"))
+
+
+def test_train_lora_literal_bad_values_are_still_refused_at_validation(server):
+    status, body = post(server, _train_prompt(0, 0, "ok_name", "bad_steps/lora"))
+    assert status == 400
+    details = " | ".join(e["details"] for e in node_errors(body, "6"))
+    assert "PrecisionTrainLoRA: input 'steps'=0 is below the minimum 1" in details, json.dumps(body)[:2000]
