@@ -25,9 +25,28 @@ def env(pack_module):
     return E
 
 
-def _listing(env) -> list[str]:
-    folder = env.tglue.checkpoint_dir()
-    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+def _writable_roots() -> list[str]:
+    """Every folder a run could write to: ComfyUI's base, output, temp, input and user folders and every
+    registered model folder (checkpoints go to ``models/loras/<name>/``, previews to ``output/``)."""
+    import folder_paths
+
+    roots = {folder_paths.base_path, folder_paths.get_output_directory(), folder_paths.get_temp_directory(),
+             folder_paths.get_input_directory(), folder_paths.get_user_directory()}
+    for name in folder_paths.folder_names_and_paths:
+        roots.update(folder_paths.get_folder_paths(name))
+    return sorted(os.path.abspath(r) for r in roots)
+
+
+def _listing() -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file and folder under the writable roots."""
+    seen = {}
+    for root in _writable_roots():
+        for folder, dirs, files in os.walk(root):
+            for entry in dirs + files:
+                path = os.path.join(folder, entry)
+                st = os.lstat(path)
+                seen[path] = (st.st_size if entry in files else 0, st.st_mtime_ns)
+    return seen
 
 
 def _train(env, model=None, latents=None, conds=None, steps=2, settings=None, **kw):
@@ -62,7 +81,7 @@ CASES = [
 @pytest.mark.parametrize("label, change, message", CASES, ids=[c[0] for c in CASES])
 def test_train_node_rejects_bad_input_and_writes_nothing(env, label, change, message):
     env.latent_list = [env.latent]
-    before = _listing(env)
+    before = _listing()
     kwargs = {}
     change = dict(change)
     if change.get("model") == "base":
@@ -78,7 +97,9 @@ def test_train_node_rejects_bad_input_and_writes_nothing(env, label, change, mes
         else:
             with torch.inference_mode():
                 env.train.PrecisionTrainLoRA.execute([env.with_lora], [env.latent], [env.cond], [2], [0], [name])
-    assert _listing(env) == before
+    after = _listing()
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    assert not changed, f"{label}: the rejected run wrote {changed}"
 
 
 def test_flux_latent_into_cosmos_model_is_rejected(env):
