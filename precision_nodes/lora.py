@@ -9,13 +9,13 @@ import torch
 
 from ..attention.backends import BACKENDS
 from ..attention.config import SCALE_MODES, AttentionConfig
-from ..training.checkpoint import STATE_SUFFIX, save_state
+from ..training.checkpoint import save_state
 from ..training.guard import NonFiniteError, assert_finite
 from ..lora.config import MAX_RANK, PARAM_DTYPES, LoRAConfig
 from ..lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ..lora.targets import preset_names
 from . import lora_glue as glue
-from .train_glue import checkpoint_dir
+from .checkpoint_files import state_beside
 from .checks import PrecisionNode
 from .types import TrainingStateType
 from .comfy_io import io
@@ -131,9 +131,9 @@ class PrecisionSaveLoRA(PrecisionNode):
                 io.Boolean.Input("overwrite", default=False, tooltip="Replace an existing file of the same name."),
                 TrainingStateType.Input("training_state", optional=True,
                                         tooltip="From the PrecisionTrainLoRA that produced the model: also writes "
-                                                "<name>.trainstate (optimizer, RNG, step, loss history) into "
-                                                "output/precision_lora/checkpoints, so PrecisionTrainLoRA's "
-                                                "resume_from=<name>.safetensors continues this run exactly."),
+                                                "<name>.trainstate (optimizer, RNG, step, loss history) beside the "
+                                                "LoRA, so PrecisionTrainLoRA's resume_from=<subfolder>/<name>.safetensors "
+                                                "continues this run exactly."),
             ],
             outputs=[io.String.Output(display_name="path", tooltip="Absolute path of the written LoRA file.")],
             is_output_node=True, not_idempotent=True,
@@ -154,7 +154,7 @@ class PrecisionSaveLoRA(PrecisionNode):
         tensors = _save_tensors(cls.NODE, lora_set, style, save_dtype)
         metadata = glue.build_lora_metadata(model, lora_set, {"ss_key_style": style, "ss_save_dtype": save_dtype})
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
-        state_path = None if training_state is None else _state_path(path)
+        state_path = None if training_state is None else state_beside(path)
         for target in (path, state_path):  # checked before anything is written
             if target is not None and os.path.exists(target) and not overwrite:
                 raise _err(cls.NODE, f"{os.path.basename(target)} exists in {os.path.dirname(target)}: enable "
@@ -186,13 +186,6 @@ def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:
         raise _err(node, f"input 'model' carries a LoRA with NaN/inf values ({str(e).replace('[Precision LoRA] ', '')}); "
                          "nothing was written: retrain with a lower learning_rate or max_grad_norm > 0") from None
     return tensors
-
-
-def _state_path(lora_path: str) -> str:
-    """Where PrecisionSaveLoRA puts a LoRA's training state: the checkpoint folder, where resume_from finds it by
-    the LoRA's plain file name wherever the LoRA was saved (loras or output folder)."""
-    stem = os.path.basename(lora_path)[: -len(".safetensors")]
-    return os.path.join(checkpoint_dir(), stem + STATE_SUFFIX)
 
 
 def _state_mismatch(lora_set, state) -> str | None:

@@ -13,13 +13,14 @@ import comfy.model_management as mm
 import comfy.utils
 
 from ..training import optim, sampling
-from ..training.checkpoint import TrainingState, load_state
+from ..training.checkpoint import TrainingState, describe_changes, load_state, settings_changes
 from ..training.loop import Hooks, StepReport, train
 from ..training.settings import NAN_POLICIES, TrainSettings
 from .checks import PrecisionNode
 from .comfy_io import io
 from .train_captions import with_empty_caption
 from .train_data import build_dataset
+from .checkpoint_files import check_pair, verify_resume
 from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
 from .train_preview import PreviewStepHook, make_previewer, node_outputs
@@ -246,7 +247,9 @@ def _flat(value: Any, default: Any = None) -> Any:
 
 class PrecisionTrainLoRA(PrecisionNode):
     NODE = "PrecisionTrainLoRA"
-    FILE_NAME_INPUTS = {"name": (False, False), "resume_from": (True, True)}
+    # resume_from is checked by check() (checkpoint_files.resolve_resume): it also takes the absolute path the
+    # node shows, which the general file-name rule refuses.
+    FILE_NAME_INPUTS = {"name": (False, False)}
 
     @classmethod
     def fingerprint_inputs(cls, **_: Any) -> int:
@@ -260,8 +263,10 @@ class PrecisionTrainLoRA(PrecisionNode):
         if values.get("training_state") is not None:
             return (f"input 'resume_from'={resume!r} and input 'training_state' are both set; "
                     "clear resume_from or disconnect training_state")
+        if not isinstance(resume, str):
+            return f"input 'resume_from'={resume!r} is not text; give a checkpoint name or leave it empty"
         try:
-            resolve_resume(resume.strip())
+            verify_resume(resume.strip())
         except ValueError as exc:
             return str(exc).replace("[Precision LoRA] PrecisionTrainLoRA: ", "", 1)
         return None
@@ -308,7 +313,10 @@ class PrecisionTrainLoRA(PrecisionNode):
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
         state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
         if resume:
-            state = load_state(resolve_resume(resume))
+            pick = resolve_resume(resume)
+            state = load_state(pick.state)
+            check_pair(resume, pick, state)
+        changes = tuple(_resume_changes(state, cfg, resume))
         out, lora_set = fork_lora(model)
         hidden = getattr(cls, "hidden", None)
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
@@ -323,7 +331,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
-                          empty_conditioning, node_id)
+                          empty_conditioning, node_id, changes)
         finally:
             finish_job(job, stopped=result is not None and result.stopped)
         checkpoint = result.checkpoints[-1] if result.checkpoints else None
@@ -344,13 +352,33 @@ class PrecisionTrainLoRA(PrecisionNode):
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
 
 
+def _resume_changes(state: TrainingState | None, cfg: TrainSettings, resume: str) -> list[str]:
+    """The settings that differ from the state's run, as report lines (``"resume: learning_rate 0.0001 ->
+    5e-05"``); each takes effect in the continued run. A changed optimizer cannot (its state is another
+    optimizer's): refused naming both."""
+    if state is None:
+        return []
+    source = f"input 'resume_from'={resume!r}" if resume else "input 'training_state'"
+    changes = settings_changes(state.settings, cfg.to_dict())
+    for name, old, new in changes:
+        if name == "optimizer":
+            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: {source} continues a run trained with optimizer "
+                             f"{old!r}, but the settings choose {new!r}: an optimizer state cannot be carried over to "
+                             f"another optimizer; set optimizer to {old!r} to continue, or start a new run")
+    lines = [f"resume: {line}" for line in describe_changes(changes)]
+    for line in lines:
+        log.info("[Precision LoRA] PrecisionTrainLoRA: %s (takes effect from step %d)", line, state.step + 1)
+    return lines
+
+
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
-         state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None):
+         state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
+         changes: tuple[str, ...] = ()):
     with training_session(model, lora_set, cfg) as device:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device)
         for line in report.lines():
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
-        _show_on_node("\n".join(report.lines()), node_id)
+        _show_on_node("\n".join([*report.lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)

@@ -250,7 +250,7 @@ def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[Tra
     return save
 
 
-def resolve_resume(name: str) -> str:
-    """Path of the state file for ``name`` (a checkpoint as the LoRA loaders list it, or a file name in the
-    old checkpoint folder). ValueError for names outside those folders or missing files."""
+def resolve_resume(name: str) -> checkpoint_files.ResumePick:
+    """The state file (and the LoRA it must match) for ``name``: a checkpoint as the LoRA loaders list it, its
+    absolute path, or a file name in the old checkpoint folder. ValueError with the right form otherwise."""
     return checkpoint_files.resolve_resume(name)

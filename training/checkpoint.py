@@ -15,7 +15,9 @@ ComfyUI, so the lists show the LoRA only. Old states are still read (``state_can
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -112,6 +114,38 @@ def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str]
     return path
 
 
+FACTOR_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight")
+
+
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's shape, dtype and bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{tuple(t.shape)}|{t.dtype}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def state_lora_mismatch(state: TrainingState, file_tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Why ``state`` is not the training state of the LoRA file holding ``file_tensors``, or None.
+
+    A state and its LoRA are written together from the same values, so the file's factors (``lora_down``/
+    ``lora_up`` or ``lora_A``/``lora_B``, in whatever key style) are the state's LoRA values cast to the file's
+    dtype. Compared as a multiset of per-tensor digests (shape, dtype, bytes): no key mapping needed, and one
+    changed bit anywhere is a mismatch. ``.alpha`` and other keys are not compared."""
+    factors = [t for k, t in file_tensors.items() if k.endswith(FACTOR_SUFFIXES)]
+    if not factors:
+        return "the LoRA file holds no lora_down/lora_up factors"
+    if len(factors) != len(state.lora):
+        return f"the state holds {len(state.lora)} LoRA tensors, the LoRA file {len(factors)} factors"
+    dtype = factors[0].dtype
+    ours = collections.Counter(_digest(v.detach().float().to(dtype)) for v in state.lora.values())
+    theirs = collections.Counter(_digest(t) for t in factors)
+    if ours != theirs:
+        differ = sum((ours - theirs).values())
+        return f"their LoRA values differ ({differ} of {len(factors)} tensors)"
+    return None
+
+
 def state_stem(path: str) -> str | None:
     """``path`` without its state suffix (either one), or None when it names no state file."""
     for suffix in STATE_SUFFIXES:
@@ -137,3 +171,15 @@ def state_candidates(lora_path: str) -> list[str]:
 def find_state(lora_path: str) -> str | None:
     """The first of ``state_candidates(lora_path)`` that is a file, or None."""
     return next((p for p in state_candidates(lora_path) if os.path.isfile(p)), None)
+
+
+def settings_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, value in the state, value now) for every setting that differs, in the order of ``now``. A
+    setting the state does not record (written by an earlier version) is not a change."""
+    return [(k, before[k], v) for k, v in now.items() if k in before and before[k] != v]
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> list[str]:
+    """``"learning_rate 0.0001 -> 5e-05"`` per change."""
+    return [f"{name} {old!r} -> {new!r}" if isinstance(new, str) else f"{name} {old} -> {new}"
+            for name, old, new in changes]

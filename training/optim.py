@@ -15,6 +15,10 @@ from typing import Callable
 import torch
 
 BASE_LR_KEY = "precision_base_lr"  # per-group lr before the schedule (LoRA+ groups differ)
+# Group keys that come from the run's settings. A resumed run loads the optimizer state of the run it continues,
+# which carries the old values of these; the settings chosen now win (issue 23 item 1). Keys an optimizer keeps
+# as state of its own in its groups (Prodigy's d estimate) are not among them and continue as saved.
+SETTING_KEYS = ("lr", BASE_LR_KEY, "betas", "eps", "weight_decay", "momentum")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,23 @@ def build_optimizer(groups: list[dict], name: str, hyper: Hyperparams) -> torch.
         if "lr" not in g:
             raise ValueError("[Precision LoRA] every optimizer group needs its own 'lr' (the base learning rate)")
         g[BASE_LR_KEY] = float(g["lr"])
-    return OPTIMIZERS[name].build(groups, hyper)
+    optimizer = OPTIMIZERS[name].build(groups, hyper)
+    keep_settings_on_load(optimizer)
+    return optimizer
+
+
+def keep_settings_on_load(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.load_state_dict`` keep this run's ``SETTING_KEYS`` in every group: the moments and
+    step counts come from the loaded state, the learning rate, betas, eps and weight decay from the settings
+    the optimizer was built with. Groups pair up by position (the LoRA set's groups are always lora_down,
+    lora_up; ``load_state_dict`` refuses a different number or size of groups)."""
+    chosen = [{k: g[k] for k in SETTING_KEYS if k in g} for g in optimizer.param_groups]
+
+    def keep(opt: torch.optim.Optimizer) -> None:
+        for group, mine in zip(opt.param_groups, chosen):
+            group.update(mine)
+
+    optimizer.register_load_state_dict_post_hook(keep)
 
 
 # ---- learning-rate schedules: multiplier(step, schedule) with step = optimizer steps already done ----

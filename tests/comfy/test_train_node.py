@@ -280,17 +280,26 @@ def _save(mods, pack_module, model, prefix: str, state=None, overwrite: bool = F
 
 
 def test_saved_training_state_resumes_the_run_exactly(mods, pack_module):
+    """Save LoRA writes the state beside the LoRA (issue 22 item 2); one that the earlier Save LoRA put in
+    output/precision_lora/checkpoints under the LoRA's file name still resumes by the LoRA's name."""
     _, m, latent, cond = _setup(mods, "cosmos")
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
     a_model, a_state, _, _ = _run(mods, m, latent, cond, 3)
     path = _save(mods, pack_module, a_model, "state_save/resume_me", a_state)
-    state_file = os.path.join(mods.tglue.checkpoint_dir(), "resume_me.trainstate")
+    state_file = path[: -len(".safetensors")] + ".trainstate"
     assert os.path.isfile(path) and os.path.isfile(state_file)
     assert mods.ckpt.load_state(state_file).step == 3
     # a fresh graph: the attached (untrained) LoRA, continued from the saved state by name
-    _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="resume_me.safetensors")
+    _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="state_save/resume_me.safetensors")
     assert steps == 6 and losses["loss"] == ref_losses["loss"]
-    os.remove(state_file)
+    old = os.path.join(mods.tglue.checkpoint_dir(), "resume_me.state.pt")
+    os.makedirs(mods.tglue.checkpoint_dir(), exist_ok=True)
+    os.replace(state_file, old)
+    try:
+        _, _, losses, steps = _run(mods, m, latent, cond, 3, resume_from="state_save/resume_me.safetensors")
+    finally:
+        os.remove(old)
+    assert steps == 6 and losses["loss"] == ref_losses["loss"]
 
 
 def test_save_refuses_a_foreign_or_existing_training_state_and_writes_nothing(mods, pack_module):
@@ -306,7 +315,9 @@ def test_save_refuses_a_foreign_or_existing_training_state_and_writes_nothing(mo
         _save(mods, pack_module, a_model, "state_save/foreign", b_state)
     with pytest.raises(ValueError, match=r"input 'training_state' belongs to a different LoRA"):
         _save(mods, pack_module, _setup(mods, "flux1")[1], "state_save/foreign", a_state)
-    state_file = os.path.join(mods.tglue.checkpoint_dir(), "taken.trainstate")
+    os.makedirs(out_dir, exist_ok=True)
+    state_file = os.path.join(out_dir, "taken.trainstate")
+    before.add("taken.trainstate")
     with open(state_file, "wb") as f:
         f.write(b"someone else's state")
     try:
@@ -317,7 +328,7 @@ def test_save_refuses_a_foreign_or_existing_training_state_and_writes_nothing(mo
     finally:
         os.remove(state_file)
     after = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    assert after == before and not os.path.exists(os.path.join(mods.tglue.checkpoint_dir(), "foreign.trainstate"))
+    assert after == before - {"taken.trainstate"} and not os.path.exists(os.path.join(out_dir, "foreign.trainstate"))
 
 
 @pytest.mark.parametrize("family", ["cosmos", "flux1"])
