@@ -220,7 +220,9 @@ class _Run:
             with torch.no_grad():
                 prior = fns.predict_base(x_t, sigma, ccond)  # type: ignore[misc]
             dop = s.dop_multiplier * (fns.predict(x_t, sigma, ccond).float() - prior.float()).pow(2).mean() * share
-        ((loss + dop) / s.grad_accum).backward()
+        total = (loss + dop) / s.grad_accum
+        if total.requires_grad:  # False when module_dropout dropped every adapter in this forward
+            total.backward()
         return loss.detach(), dop.detach()
 
     def _micro_batch(self, dop_on: bool, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -256,7 +258,9 @@ class _Run:
             loss, dop = self.parallel.reduce(self.params, [loss, dop])
         outcome = "ok"
         norm = _total_norm([p.grad for p in self.params if p.grad is not None])
-        if not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
+        if all(p.grad is None for p in self.params):
+            outcome = "dropped"  # module_dropout dropped every adapter: nothing to update, state kept as is
+        elif not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
             outcome = self.guard.bad(self.step, "non-finite loss or gradient", self.params, self.optimizer)
         else:
             if s.max_grad_norm > 0:
@@ -267,13 +271,15 @@ class _Run:
                 outcome = self.guard.bad(self.step, "parameters non-finite after the update (restored)",
                                          self.params, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        self.masters.push()
+        if outcome != "dropped":  # re-rounding unchanged masters would still move low-precision weights
+            self.masters.push()
         self.step += 1
         if outcome == "ok":
             self.guard.good()
             self.guard.maybe_snapshot(self.step, self.params, self.optimizer)
         point = {"step": self.step, "loss": float(loss) if outcome == "ok" else None, "lr": lr, "sigma": sigma,
-                 "dop": float(dop) if dop_on and outcome == "ok" else None, "skipped": outcome != "ok"}
+                 "dop": float(dop) if dop_on and outcome == "ok" else None, "skipped": outcome != "ok",
+                 "dropped": outcome == "dropped"}
         self.history.append(point)
         return point, outcome
 
@@ -366,7 +372,7 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     was_training = module.training
     run = _Run(module, data, fns, settings, seed, state, parallel)
     result = RunResult()
-    start = (run.step, run.guard.skipped, run.guard.rollbacks)
+    start = (run.step, run.guard.skipped, run.guard.rollbacks, len(run.history))
     module.train(True)
     try:
         for local in range(steps):
@@ -396,8 +402,10 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     finally:
         module.train(was_training)
     trained = [p for p in module.parameters() if p.requires_grad]
-    result.outcome = judge(trained, run.step - start[0], run.guard.skipped - start[1], run.guard.rollbacks - start[2])
-    if result.outcome.skipped:
+    dropped = sum(1 for p in run.history[start[3]:] if p.get("dropped"))
+    result.outcome = judge(trained, run.step - start[0], run.guard.skipped - start[1], run.guard.rollbacks - start[2],
+                           dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)))
+    if result.outcome.skipped or result.outcome.dropped:
         log.warning("[Precision LoRA] training %s", result.outcome.summary())
     result.state = run.snapshot(final=True, share_lora=hand_over)
     return result

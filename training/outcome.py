@@ -7,11 +7,12 @@ A call **fails** when one of these holds (``Outcome.problem`` says which, with t
    near ``1/sqrt(in_features)`` (down) and 0 (up) and stay of order 1 in healthy runs; a factor of 1e3 makes
    deltas about a thousand times the base model's weights, and products of two such factors (1e6) are
    beyond what fp16 can hold;
-3. every optimizer step of the call was skipped by the NaN guard (non-finite loss or gradients): nothing was
-   learned, whatever the weights look like.
+3. every optimizer step of the call was skipped: by the NaN guard (non-finite loss or gradients) or because
+   ``module_dropout`` dropped every adapter in it (no gradient, issue 22 item 3): nothing was learned,
+   whatever the weights look like.
 
-Otherwise the call succeeds; skipped steps and rollbacks are still counted in ``summary()``, logged, and
-recorded in the LoRA's metadata (``precision_lora_outcome``).
+Otherwise the call succeeds; skipped steps, steps with every adapter dropped and rollbacks are still counted
+in ``summary()``, logged, and recorded in the LoRA's metadata (``precision_lora_outcome``).
 """
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ FIX = ("lower learning_rate (or loraplus_ratio), keep max_grad_norm > 0, and che
 @dataclass(frozen=True)
 class Outcome:
     """``steps``: optimizer steps this call ran; ``skipped``/``rollbacks``: the NaN guard's, in this call;
-    ``max_abs``: largest |weight| of the LoRA (nan when it holds NaN); ``problem``: None when the call is ok."""
+    ``max_abs``: largest |weight| of the LoRA (nan when it holds NaN); ``problem``: None when the call is ok;
+    ``dropped``: steps of this call in which module_dropout dropped every adapter (skipped, not updated);
+    ``module_dropout``: the LoRA's module_dropout, for the summary."""
 
     steps: int
     skipped: int
     rollbacks: int
     max_abs: float
     problem: str | None = None
+    dropped: int = 0
+    module_dropout: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -43,8 +48,12 @@ class Outcome:
 
     def summary(self) -> str:
         head = "ok" if self.ok else "failed"
-        return (f"{head}: {self.steps} steps, {self.skipped} skipped, {self.rollbacks} rollbacks, "
+        text = (f"{head}: {self.steps} steps, {self.skipped} skipped, {self.rollbacks} rollbacks, "
                 f"largest |LoRA weight| {self.max_abs:.3g}")
+        if self.dropped:
+            text += (f"; {self.dropped} steps had every adapter dropped (module_dropout={self.module_dropout:g}) "
+                     "and were skipped")
+        return text
 
 
 @torch.no_grad()
@@ -60,7 +69,8 @@ def largest_abs(params: Iterable[torch.Tensor]) -> float:
     return peak
 
 
-def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: int) -> Outcome:
+def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: int, dropped: int = 0,
+          module_dropout: float = 0.0) -> Outcome:
     """The outcome of a call that ran ``steps`` optimizer steps on ``params`` (see the module docstring)."""
     peak = largest_abs(params)
     problem = None
@@ -69,7 +79,11 @@ def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: i
     elif peak > EXPLODED_MAX_ABS:
         problem = (f"the LoRA exploded: its largest |weight| is {peak:.3g}, above the bound {EXPLODED_MAX_ABS:g} "
                    f"(healthy LoRA weights are of order 1); {FIX}")
-    elif steps > 0 and skipped >= steps:
-        problem = (f"every one of the {steps} steps was skipped (non-finite loss or gradients), so nothing was "
-                   f"learned; {FIX}")
-    return Outcome(steps, skipped, rollbacks, peak, problem)
+    elif steps > 0 and dropped >= steps:
+        problem = (f"every one of the {steps} steps had every adapter dropped (module_dropout={module_dropout:g}), "
+                   "so nothing was learned; lower module_dropout or train more steps")
+    elif steps > 0 and skipped + dropped >= steps:
+        why = "non-finite loss or gradients" if not dropped else \
+            f"{skipped} with non-finite loss or gradients, {dropped} with every adapter dropped by module_dropout"
+        problem = f"every one of the {steps} steps was skipped ({why}), so nothing was learned; {FIX}"
+    return Outcome(steps, skipped, rollbacks, peak, problem, dropped, module_dropout)

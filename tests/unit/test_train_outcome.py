@@ -82,3 +82,16 @@ def test_judge_bounds(values, problem):
     assert (out.problem is None) == (problem is None)
     if problem is not None:
         assert out.problem.startswith(problem)
+
+
+def test_steps_with_every_adapter_dropped_are_counted_and_fail_only_when_nothing_trained():
+    """Issue 22 item 3: module_dropout steps without a gradient are skipped and named in the summary."""
+    w = [torch.ones(2)]
+    some = judge(w, steps=300, skipped=0, rollbacks=0, dropped=290, module_dropout=0.99)
+    assert some.ok and some.summary().endswith(
+        "; 290 steps had every adapter dropped (module_dropout=0.99) and were skipped")
+    every = judge(w, steps=4, skipped=0, rollbacks=0, dropped=4, module_dropout=0.99)
+    assert not every.ok and "every one of the 4 steps had every adapter dropped (module_dropout=0.99)" in every.problem
+    mixed = judge(w, steps=4, skipped=1, rollbacks=0, dropped=3, module_dropout=0.5)
+    assert not mixed.ok and "(1 with non-finite loss or gradients, 3 with every adapter dropped" in mixed.problem
+    assert "had every adapter dropped" not in judge(w, steps=4, skipped=0, rollbacks=0).summary()
