@@ -64,10 +64,13 @@ def model_file(pack, pack_module):
 
 @pytest.fixture(scope="module")
 def stock(model_file):
-    import nodes as comfy_nodes
+    import comfy.sd
+    import folder_paths
 
+    # UNETLoader's function with the dtype pinned: its "default" is bf16 on a bf16 GPU (issue #27, defect 4)
     with torch.inference_mode():  # as ComfyUI's executor runs every node
-        return comfy_nodes.UNETLoader().load_unet(model_file, "default")[0]
+        return comfy.sd.load_diffusion_model(folder_paths.get_full_path_or_raise("diffusion_models", model_file),
+                                             model_options={"dtype": torch.float32})
 
 
 @pytest.fixture(scope="module")
