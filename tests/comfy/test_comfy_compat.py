@@ -106,8 +106,20 @@ def test_kitchen_rope_is_differentiable_only_while_the_pack_needs_gradients(mods
             assert double.dtype == torch.float64 and fused["n"] == 1  # float64 takes the plain path
 
 
-def _hooked_run(mods, family: str, steps: int, on_step=None, error_at: int | None = None):
-    """Train ``steps`` steps; a forward hook records the globals seen inside and may raise at a step."""
+# The autograd state a node runs under: ComfyUI's executor (inference mode), or plain grad mode (a script or
+# another pack calling the node): in plain grad mode a leaked no_grad or inference mode shows.
+CONTEXTS = {"inference": torch.inference_mode, "grad": torch.enable_grad}
+
+
+def _autograd_modes() -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _hooked_run(mods, family: str, steps: int, on_step=None, error_at: int | None = None,
+                context: str = "inference", modes: dict | None = None):
+    """Train ``steps`` steps; a forward hook records the globals seen inside and may raise at a step.
+    ``modes`` gets the (grad, inference mode) pair right before and right after the node, inside ``context``
+    (whose exit would otherwise reset what the node leaked)."""
     model = {"cosmos": tiny_cosmos, "flux1": tiny_flux1}[family]()
     with torch.inference_mode():
         m = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=2, alpha=2, targets="attention"))
@@ -121,18 +133,24 @@ def _hooked_run(mods, family: str, steps: int, on_step=None, error_at: int | Non
             raise RuntimeError("injected failure")
 
     handle = m.model.diffusion_model.register_forward_hook(hook)
+    modes = {} if modes is None else modes
+    latent, cond = make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)
     try:
-        with torch.inference_mode():
-            mods.train.PrecisionTrainLoRA.execute(
-                [m], [make_latent(model, 1, width=32, height=32)], [make_conditioning(model, 1)], [steps], [0],
-                ["compat"], settings=[mods.Settings(learning_rate=1e-3)])
+        with CONTEXTS[context]():
+            modes["before"] = _autograd_modes()
+            try:
+                mods.train.PrecisionTrainLoRA.execute([m], [latent], [cond], [steps], [0], ["compat"],
+                                                      settings=[mods.Settings(learning_rate=1e-3)])
+            finally:
+                modes["after"] = _autograd_modes()
     finally:
         handle.remove()
     return seen
 
 
-@pytest.mark.parametrize("ending", ["done", "stop", "cancel", "error"])
-def test_every_global_is_restored_after_training(mods, ending):
+@pytest.mark.parametrize("ending, context", [("done", "inference"), ("stop", "inference"), ("cancel", "inference"),
+                                             ("error", "inference"), ("done", "grad"), ("error", "grad")])
+def test_every_global_is_restored_after_training(mods, ending, context):
     """After done, stop, cancel or error: in_training, the kitchen module, grad and inference mode are back."""
     import comfy.model_management as mm
     import comfy_harness
@@ -151,21 +169,26 @@ def test_every_global_is_restored_after_training(mods, ending):
 
     server.send_sync = control
     seen: list[dict] = []
+    modes: dict = {}
+    outside = _autograd_modes()
     try:
         if ending == "error":
             with pytest.raises(Exception, match="injected failure"):
-                _hooked_run(mods, "cosmos", 3, error_at=2)
+                _hooked_run(mods, "cosmos", 3, error_at=2, context=context, modes=modes)
         elif ending == "cancel":
             with pytest.raises(mm.InterruptProcessingException):
-                seen = _hooked_run(mods, "cosmos", 3)
+                seen = _hooked_run(mods, "cosmos", 3, context=context, modes=modes)
         else:
-            seen = _hooked_run(mods, "cosmos", 3)
+            seen = _hooked_run(mods, "cosmos", 3, context=context, modes=modes)
     finally:
         server.send_sync = original
         mm.interrupt_current_processing(False)
     after = mods.compat.globals_snapshot()
     assert after["in_training"] == before["in_training"] and after["ck"] is before["ck"]
-    assert not torch.is_grad_enabled() or not torch.is_inference_mode_enabled()
+    expected = (False, True) if context == "inference" else (True, False)
+    assert modes["before"] == expected
+    assert modes["after"] == modes["before"], "the node leaked (grad enabled, inference mode) to its caller"
+    assert _autograd_modes() == outside
     if ending == "done" and before["in_training"] is not None:  # 0.30+: in_training was set while training
         assert seen and all(s["in_training"] is True for s in seen)
         assert all(s["ck"] is not before["ck"] for s in seen)
