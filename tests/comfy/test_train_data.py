@@ -49,9 +49,31 @@ def test_batched_conditioning_rows_pair_with_batched_latent_rows(env):
     assert torch.equal(_ctx(samples[0]), a[0][0]) and torch.equal(_ctx(samples[1]), b[0][0])
 
 
-def test_mixed_resolutions_form_separate_groups(env):
-    latents = [make_latent(env.model, 1, width=32, height=32), make_latent(env.model, 1, width=48, height=32)]
+def test_mixed_resolutions_form_separate_groups(env, pack_module, one_thread):
+    """Two 32x32 samples and one 48x32: two buckets in the report, and one training step with a batch of
+    all three runs one forward per bucket (2 rows at 4x4 latent cells, 1 row at 4x6), not one per sample and
+    not one for all."""
+    sizes = [(32, 32), (48, 32), (32, 32)]
+    latents = [make_latent(env.model, 1, width=w, height=h, seed=i) for i, (w, h) in enumerate(sizes)]
+    cond = make_conditioning(env.model, 1)
     with torch.inference_mode():
-        samples = env.td.build_samples(env.model, latents, [make_conditioning(env.model, 1)], None,
-                                       torch.device("cpu"))
-    assert samples[0].latent.shape != samples[1].latent.shape
+        samples, report = env.td.build_dataset(env.model, latents, [cond], None, torch.device("cpu"))
+    keys = [(s.group, tuple(s.latent.shape)) for s in samples]
+    assert keys[0] == keys[2] and keys[0] != keys[1]
+    assert [k[1][-2:] for k in keys] == [(4, 4), (4, 6), (4, 4)]
+    assert report.buckets == 2 and report.sizes == {"32x32 px": 2, "48x32 px": 1}
+
+    glue, train = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train")
+    Settings = pack_module("training.settings").TrainSettings
+    with torch.inference_mode():
+        model = glue.attach_lora(env.model, pack_module("lora.config").LoRAConfig(rank=2, alpha=2))
+    forwards = []
+    handle = model.model.diffusion_model.register_forward_hook(
+        lambda module, args, out: forwards.append(tuple(args[0].shape)))
+    try:
+        with torch.inference_mode():
+            train.PrecisionTrainLoRA.execute([model], latents, [cond], [1], [0], ["groups"],
+                                             settings=[Settings(batch_size=3, learning_rate=1e-3)])
+    finally:
+        handle.remove()
+    assert sorted((f[0], f[-2:]) for f in forwards) == [(1, (4, 6)), (2, (4, 4))]
