@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, preview_node, probe, resolution, train, train_routes
 from . import dataset
+from . import dataset_cache
 from .comfy_io import ComfyExtension, io
 
 # A module that fails to import fails the pack loudly (ComfyUI prints IMPORT FAILED), which the e2e tests
 # look for.
 PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *preview_node.NODES, *loss_graph.NODES, *probe.NODES,
+    *dataset_cache.NODES,
     *dataset.NODES,
 ]
 # Each register() is idempotent: HTTP routes, and the sweep of stale temporary files.

@@ -1,0 +1,300 @@
+"""The dataset cache (issue 23 item 3): PrecisionCachedTrainingDataset encodes each image and caption once,
+with ComfyUI's own VAE and text encoder, and reads them back from disk afterwards.
+
+Real ComfyUI encoders, tiny: the TAESD VAE of tests/preview_vae.py (16 latent channels, as Flux) and a
+2-layer CLIP-L of width 64 loaded through ComfyUI's text-encoder loader. Encode calls are counted by
+wrapping the two objects' encode methods. Every run here is a new call of the node, as after ComfyUI
+dropped its cached outputs (another workflow ran, or the server restarted); the e2e test does it through
+a real server.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from comfy_harness import node_class, pack_module
+
+CAPTIONS = ["a photo of sks, red", "a photo of sks, green", "a photo of sks, red"]  # 2 distinct
+CLIP_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_hidden_layers": 2}
+
+
+def _out(result):
+    return getattr(result, "result", result)
+
+
+def tiny_clip(seed: int = 0, scale: float = 1.0):
+    """A CLIP-L of width 64 (2 layers) through ComfyUI's own loader; ``scale`` multiplies one weight."""
+    import comfy.sd
+    import comfy.sd1_clip
+
+    shapes = comfy.sd1_clip.SDClipModel(device="meta", dtype=torch.float32,
+                                        model_options={"clip_l_model_config": dict(CLIP_CONFIG)}).transformer.state_dict()
+    gen = torch.Generator().manual_seed(seed)
+    sd = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in shapes.items()}
+    sd["text_model.encoder.layers.1.mlp.fc1.weight"] *= scale
+    return comfy.sd.load_text_encoder_state_dicts([sd], clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
+                                                  model_options={"model_config": dict(CLIP_CONFIG)})
+
+
+def tiny_vae(scale: float = 1.0):
+    import comfy.sd
+    from preview_vae import tiny_vae_state_dict
+
+    sd = tiny_vae_state_dict()
+    sd["taesd_encoder.1.conv.0.weight"] = sd["taesd_encoder.1.conv.0.weight"] * scale
+    return comfy.sd.VAE(sd=sd)
+
+
+def _images(n: int = 3, size: tuple[int, int] = (32, 32)) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.rand(1, size[1], size[0], 3, generator=gen) for _ in range(n)]
+
+
+class Counted:
+    """Counts the encode calls of one VAE and one CLIP (the node calls exactly these methods)."""
+
+    def __init__(self, vae, clip):
+        self.vae, self.clip, self.images, self.texts = vae, clip, 0, 0
+        vae_encode, clip_encode = vae.encode, clip.encode_from_tokens_scheduled
+
+        def encode(pixels):
+            self.images += 1
+            return vae_encode(pixels)
+
+        def encode_text(tokens, *args, **kwargs):
+            self.texts += 1
+            return clip_encode(tokens, *args, **kwargs)
+        vae.encode, clip.encode_from_tokens_scheduled = encode, encode_text
+
+    def take(self) -> tuple[int, int]:
+        out, self.images, self.texts = (self.images, self.texts), 0, 0
+        return out
+
+
+@pytest.fixture(scope="module")
+def enc(pack):
+    return Counted(tiny_vae(), tiny_clip())
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread):
+    """One intra-op thread (tests/comfy/conftest.py): small convolutions run faster on 2 shared cores."""
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    path = str(tmp_path / "dataset_cache")
+    monkeypatch.setenv("PRECISION_LORA_DATASET_CACHE", path)
+    return path
+
+
+def run(images, texts, vae, clip, cache: str = "use"):
+    node = node_class("PrecisionCachedTrainingDataset")
+    with torch.inference_mode():  # as ComfyUI's executor runs nodes
+        latents, conds, report = _out(node.execute(images=images, vae=[vae], clip=[clip], texts=texts, cache=[cache]))[:3]
+    return latents, conds, report
+
+
+def stock(images, texts, vae, clip):
+    with torch.inference_mode():
+        return _out(node_class("MakeTrainingDataset").execute(images=images, vae=[vae], clip=[clip], texts=texts))
+
+
+def _same(a, b) -> None:
+    """Bit for bit: the same nesting, the same dtypes and shapes, torch.equal values."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (set(a), set(b))
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stock_nodes(pack):
+    import asyncio
+
+    import nodes as comfy_nodes
+
+    path = os.path.join(os.path.dirname(os.path.abspath(comfy_nodes.__file__)), "comfy_extras", "nodes_dataset.py")
+    assert asyncio.run(comfy_nodes.load_custom_node(path, module_parent="comfy_extras"))
+
+
+def test_second_run_encodes_nothing_and_equals_make_training_dataset_bit_for_bit(enc, folder):
+    images = _images()
+    latents, conds, report = run(images, CAPTIONS, enc.vae, enc.clip)
+    assert enc.take() == (3, 2)  # 3 images, 2 distinct captions
+    assert report.startswith("3 images (3 distinct): 3 encoded, 0 from cache; 3 captions (2 distinct): 2 encoded, "
+                             "0 from cache; cache " + folder), report
+    assert sorted(os.listdir(folder)) == ["latents", "text"] and len(os.listdir(os.path.join(folder, "latents"))) == 3
+    ref_latents, ref_conds = stock(images, CAPTIONS, enc.vae, enc.clip)
+    enc.take()
+    _same(latents, ref_latents)
+    _same(conds, ref_conds)
+    again_latents, again_conds, again = run(images, CAPTIONS, enc.vae, enc.clip)
+    assert enc.take() == (0, 0)
+    assert "3 images (3 distinct): 0 encoded, 3 from cache; 3 captions (2 distinct): 0 encoded, 2 from cache" in again
+    _same(again_latents, ref_latents)
+    _same(again_conds, ref_conds)
+
+
+def test_the_cache_folder_is_in_comfyuis_base_directory(pack, monkeypatch):
+    import folder_paths
+
+    monkeypatch.delenv("PRECISION_LORA_DATASET_CACHE", raising=False)
+    glue = pack_module("precision_nodes.dataset_cache_glue")
+    assert glue.cache_folder() == os.path.join(folder_paths.base_path, "cache", "precision_lora", "dataset")
+
+
+def _change(case: str, images, texts, vae, clip):
+    """One input changed as a user would change it; returns the new (images, texts, vae, clip)."""
+    images, texts = list(images), list(texts)
+    if case == "caption":
+        texts[1] = "a photo of sks, blue"
+    elif case == "image":
+        images[0] = images[0].clone()
+        images[0][0, 5, 7, 1] += 0.25
+    elif case == "resolution":
+        images[2] = torch.nn.functional.interpolate(images[2].movedim(-1, 1), size=(48, 32)).movedim(1, -1)
+    elif case == "vae weights":
+        vae = tiny_vae(scale=1.01)
+    elif case == "text encoder weights":
+        clip = tiny_clip(scale=1.01)
+    elif case == "clip skip":
+        clip = clip.clone()
+        clip.clip_layer(-2)
+    elif case == "text encoder lora":
+        clip = clip.clone()
+        key = "clip_l.transformer.text_model.encoder.layers.0.mlp.fc1.weight"
+        assert clip.add_patches({key: ("diff", (torch.full((128, 64), 0.01),))}, 1.0) == [key]
+    else:
+        raise AssertionError(case)
+    return images, texts, vae, clip
+
+
+# case -> (images encoded, distinct captions encoded) on the run after the change
+CHANGES = {"caption": (0, 1), "image": (1, 0), "resolution": (1, 0), "vae weights": (3, 0),
+           "text encoder weights": (0, 2), "clip skip": (0, 2), "text encoder lora": (0, 2)}
+
+
+@pytest.mark.parametrize("case", list(CHANGES))
+def test_a_changed_input_is_encoded_again_and_equals_a_fresh_encode(case, enc, folder):
+    images = _images()
+    run(images, CAPTIONS, enc.vae, enc.clip)
+    enc.take()
+    images2, texts2, vae2, clip2 = _change(case, images, CAPTIONS, enc.vae, enc.clip)
+    counted = enc if (vae2, clip2) == (enc.vae, enc.clip) else Counted(vae2, clip2)
+    latents, conds, report = run(images2, texts2, vae2, clip2)
+    assert counted.take() == CHANGES[case], report
+    ref_latents, ref_conds = stock(images2, texts2, vae2, clip2)
+    counted.take()
+    _same(latents, ref_latents)
+    _same(conds, ref_conds)
+
+
+def test_a_corrupt_or_truncated_entry_is_encoded_again_never_used(enc, folder, caplog):
+    images = _images()
+    ref_latents, ref_conds, _ = run(images, CAPTIONS, enc.vae, enc.clip)
+    enc.take()
+    latent_file = sorted(os.scandir(os.path.join(folder, "latents")), key=lambda e: e.name)[0].path
+    text_file = sorted(os.scandir(os.path.join(folder, "text")), key=lambda e: e.name)[0].path
+    with open(latent_file, "r+b") as f:  # one byte of tensor data flipped: safetensors still parses it
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x55]))
+    with open(text_file, "r+b") as f:  # a half-written file
+        f.truncate(os.path.getsize(text_file) // 2)
+    with caplog.at_level(logging.WARNING):
+        latents, conds, report = run(images, CAPTIONS, enc.vae, enc.clip)
+    assert enc.take() == (1, 1)
+    assert "2 cache entries failed verification and were encoded again" in report
+    warnings = "\n".join(r.getMessage() for r in caplog.records)
+    assert "fails its checksum" in warnings and "is unreadable" in warnings
+    _same(latents, ref_latents)
+    _same(conds, ref_conds)
+    run(images, CAPTIONS, enc.vae, enc.clip)  # the entries were rewritten whole
+    assert enc.take() == (0, 0)
+
+
+def test_training_from_cached_inputs_equals_training_from_fresh_encodes_bit_for_bit(enc, folder, pack_module):
+    """Train LoRA (3 steps, tiny Flux.1 whose text widths are this CLIP's 64) from Make Training Dataset's
+    fresh encodes and from the cache node's second (all cached) run: the same LoRA, every bit."""
+    tiny, compat = pack_module("demo.tiny_models"), pack_module("precision_nodes.comfy_compat")
+    glue, lora, train = (pack_module(m) for m in ("precision_nodes.lora_glue", "lora.config", "precision_nodes.train"))
+    config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": 64, "vec_in_dim": 64})
+    model = tiny.build_tiny_model("flux1_dev", seed=0, unet_config=config)
+    images = _images()
+    run(images, CAPTIONS, enc.vae, enc.clip)
+    cached_latents, cached_conds, report = run(images, CAPTIONS, enc.vae, enc.clip)
+    assert "0 encoded, 3 from cache" in report and "0 encoded, 2 from cache" in report
+    fresh_latents, fresh_conds = stock(images, CAPTIONS, enc.vae, enc.clip)
+    trained = []
+    for latents, conds in ((fresh_latents, fresh_conds), (cached_latents, cached_conds)):
+        with torch.inference_mode():  # as ComfyUI's executor runs nodes
+            attached = glue.attach_lora(model, lora.LoRAConfig(rank=2, alpha=2))
+            out = _out(train.PrecisionTrainLoRA.execute([attached], latents, conds, [3], [0], ["cache_equal"]))
+        trained.append({k: (a.down.detach().clone(), a.up.detach().clone())
+                        for k, a in glue.get_lora_set(out[0]).adapters().items()})
+    fresh, cached = trained
+    assert set(fresh) == set(cached) and fresh
+    assert any(bool(up.abs().sum() > 0) for _, up in fresh.values()), "the LoRA did not train"
+    for k in fresh:
+        assert torch.equal(fresh[k][0], cached[k][0]) and torch.equal(fresh[k][1], cached[k][1]), k
+
+
+def test_rebuild_encodes_everything_again_and_off_writes_nothing(enc, folder, tmp_path, monkeypatch):
+    images = _images()
+    run(images, CAPTIONS, enc.vae, enc.clip)
+    enc.take()
+    first = {e.name: os.stat(e.path).st_mtime_ns for e in os.scandir(os.path.join(folder, "latents"))}
+    _, _, report = run(images, CAPTIONS, enc.vae, enc.clip, cache="rebuild")
+    assert enc.take() == (3, 2) and "(rebuild)" in report
+    assert {e.name for e in os.scandir(os.path.join(folder, "latents"))} == set(first)
+    off = str(tmp_path / "never_written")
+    monkeypatch.setenv("PRECISION_LORA_DATASET_CACHE", off)
+    latents, _, report = run(images, CAPTIONS, enc.vae, enc.clip, cache="off")
+    assert enc.take() == (3, 2) and not os.path.exists(off) and "cache off (off)" in report
+
+
+def test_texts_that_do_not_match_the_images_are_refused_naming_both_counts(enc, folder):
+    with pytest.raises(ValueError, match=r"PrecisionCachedTrainingDataset: input 'texts' has 2 captions for 3 "
+                                         r"images; connect one caption per image"):
+        run(_images(), CAPTIONS[:2], enc.vae, enc.clip)
+    assert enc.take() == (0, 0) and not os.path.exists(folder)
+
+
+def test_progress_counts_every_item_and_an_interrupt_stops_between_items(enc, folder, caplog):
+    import comfy.model_management
+    import comfy.utils
+
+    seen = []
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: seen.append((value, total)))
+    try:
+        images = _images(4)
+        with caplog.at_level(logging.INFO):
+            run(images[:2], CAPTIONS[:2], enc.vae, enc.clip)  # 2 images + 2 captions to encode
+            run(images, ["x"], enc.vae, enc.clip)  # 2 images from the cache, 2 images + 1 caption to encode
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+    enc.take()
+    assert seen[-1] == (5, 5) and (2, 5) in seen  # the 2 cached images count at once
+    lines = [r.getMessage() for r in caplog.records if "PrecisionCachedTrainingDataset: encoding" in r.getMessage()]
+    assert lines[-1].startswith("[Precision LoRA] PrecisionCachedTrainingDataset: encoding 3/3 (5/5 items ready)")
+    assert "ETA 0:00:00" in lines[-1]
+    comfy.model_management.interrupt_current_processing(True)
+    try:
+        with pytest.raises(comfy.model_management.InterruptProcessingException):
+            run(_images(2, (48, 48)), ["y"], enc.vae, enc.clip)
+    finally:
+        comfy.model_management.interrupt_current_processing(False)
+    assert enc.take() == (0, 0)
