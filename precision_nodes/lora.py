@@ -152,9 +152,12 @@ class PrecisionSaveLoRA(PrecisionNode):
                                      "PrecisionTrainLoRA whose model you save")
         style = default_key_style(glue.model_family(model)) if key_style == "auto" else key_style
         tensors = _save_tensors(cls.NODE, lora_set, style, save_dtype)
-        metadata = glue.build_lora_metadata(model, lora_set, {"ss_key_style": style, "ss_save_dtype": save_dtype})
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
         state_path = None if training_state is None else state_beside(path)
+        extra = {"ss_key_style": style, "ss_save_dtype": save_dtype}
+        if state_path is not None:
+            extra["precision_lora_training_state"] = os.path.basename(state_path)
+        metadata = glue.build_lora_metadata(model, lora_set, extra)
         for target in (path, state_path):  # checked before anything is written
             if target is not None and os.path.exists(target) and not overwrite:
                 raise _err(cls.NODE, f"{os.path.basename(target)} exists in {os.path.dirname(target)}: enable "
@@ -170,7 +173,23 @@ class PrecisionSaveLoRA(PrecisionNode):
             if state_path is not None and os.path.exists(state_path):
                 os.remove(state_path)  # a state without its LoRA would be a half-written save
             raise
-        return io.NodeOutput(path, ui={"text": [path] if state_path is None else [path, state_path]})
+        shown = [path] if state_path is None else [path, state_path]
+        _show_on_node("saved " + "\nand ".join(shown))
+        # "precision_lora_saved": web/lora_refresh.js refreshes the LoRA lists of every loader when it sees it
+        return io.NodeOutput(path, ui={"text": shown, "precision_lora_saved": [path]})
+
+
+def _show_on_node(text: str) -> None:
+    """``text`` under the executing node in the page (ComfyUI's progress text, drawn by both supported
+    frontends as a read-only text widget): where the LoRA was written."""
+    from comfy_execution.utils import get_executing_context
+    from server import PromptServer
+
+    ctx, instance = get_executing_context(), getattr(PromptServer, "instance", None)
+    if ctx is None or instance is None or not hasattr(instance, "send_progress_text"):
+        return
+    client = getattr(instance, "client_id", None)
+    instance.send_progress_text(text, ctx.node_id, client if isinstance(client, str) and client else None)
 
 
 def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:

@@ -13,17 +13,18 @@ import comfy.model_management as mm
 import comfy.utils
 
 from ..training import optim, sampling
-from ..training.checkpoint import TrainingState, describe_changes, load_state, settings_changes
+from ..training.checkpoint import TrainingState
 from ..training.loop import Hooks, StepReport, train
 from ..training.settings import NAN_POLICIES, TrainSettings
 from .checks import PrecisionNode
 from .comfy_io import io
 from .train_captions import with_empty_caption
 from .train_data import build_dataset
-from .checkpoint_files import check_pair, verify_resume
-from .train_glue import checkpoint_writer, fork_lora, model_fns, resolve_resume, training_session
+from .checkpoint_files import verify_resume
+from .train_glue import checkpoint_writer, fork_lora, model_fns, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
 from .train_preview import PreviewStepHook, make_previewer, node_outputs
+from .train_states import continued_state, exploded_note, set_aside_exploded, training_metadata
 from .types import LossMapType, PreviewSettingsType, TrainingStateType, TrainSettingsType
 
 log = logging.getLogger(__name__)
@@ -311,12 +312,9 @@ class PrecisionTrainLoRA(PrecisionNode):
                 training_state=None, resume_from=None, preview=None, empty_conditioning=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
-        state, resume = _flat(training_state), (_flat(resume_from, "") or "").strip()
-        if resume:
-            pick = resolve_resume(resume)
-            state = load_state(pick.state)
-            check_pair(resume, pick, state)
-        changes = tuple(_resume_changes(state, cfg, resume))
+        resume = (_flat(resume_from, "") or "").strip()
+        cont = continued_state(_flat(training_state), resume, cfg)
+        state = cont.state
         out, lora_set = fork_lora(model)
         hidden = getattr(cls, "hidden", None)
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
@@ -331,55 +329,42 @@ class PrecisionTrainLoRA(PrecisionNode):
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
-                          empty_conditioning, node_id, changes)
+                          empty_conditioning, node_id, cont.changes)
         finally:
             finish_job(job, stopped=result is not None and result.stopped)
-        checkpoint = result.checkpoints[-1] if result.checkpoints else None
         outcome = result.outcome
+        moved, kept = set_aside_exploded(result.checkpoints) if not outcome.ok else ([], result.checkpoints)
+        checkpoint = kept[-1] if kept else None
         lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
         lora_set.info["precision_lora_outcome"] = outcome.summary()
         _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint,
-                                            "failed": not outcome.ok, "outcome": outcome.summary()})
+                                            "failed": not outcome.ok, "outcome": outcome.summary(),
+                                            "resumed_from": cont.pick.name if cont.pick else None})
         if result.reason == "interrupt":
             mm.interrupt_current_processing(False)
             raise mm.InterruptProcessingException()
         if previewer is not None:
             previewer.raise_if_failed(checkpoint)
         if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
-            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}")
+            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
+                             f"{exploded_note(moved, kept)}")
         images, shown = node_outputs(previewer)
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
-
-
-def _resume_changes(state: TrainingState | None, cfg: TrainSettings, resume: str) -> list[str]:
-    """The settings that differ from the state's run, as report lines (``"resume: learning_rate 0.0001 ->
-    5e-05"``); each takes effect in the continued run. A changed optimizer cannot (its state is another
-    optimizer's): refused naming both."""
-    if state is None:
-        return []
-    source = f"input 'resume_from'={resume!r}" if resume else "input 'training_state'"
-    changes = settings_changes(state.settings, cfg.to_dict())
-    for name, old, new in changes:
-        if name == "optimizer":
-            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: {source} continues a run trained with optimizer "
-                             f"{old!r}, but the settings choose {new!r}: an optimizer state cannot be carried over to "
-                             f"another optimizer; set optimizer to {old!r} to continue, or start a new run")
-    lines = [f"resume: {line}" for line in describe_changes(changes)]
-    for line in lines:
-        log.info("[Precision LoRA] PrecisionTrainLoRA: %s (takes effect from step %d)", line, state.step + 1)
-    return lines
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
          changes: tuple[str, ...] = ()):
     with training_session(model, lora_set, cfg) as device:
-        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device)
+        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in report.lines():
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
         _show_on_node("\n".join([*report.lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
+        start = state.step if state is not None else 0
+        lora_set.info.update(training_metadata(cfg, report.sizes, report.samples, start + steps, seed if state is None
+                                               else state.seed))
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)
         if isinstance(hooks.on_step, PreviewStepHook):

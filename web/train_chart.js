@@ -5,6 +5,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { createOwners, eventKey, historyKey, seriesKey, workflowId } from "./lib/chart_owner.js";
+import { checkpointLine, showLine } from "./lib/checkpoint_line.js";
 import { addPanel, chain, panelDiv } from "./lib/hooks.js";
 import {
   addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText,
@@ -106,7 +107,7 @@ function renderView(view) {
     view.status.textContent = statusText(series);
     view.root.dataset.done = String(series.done);
     view.root.dataset.promptId = series.promptId ?? ""; // which run the chart shows (tests wait on it)
-    if (series.checkpoint) view.message.textContent = `checkpoint: ${series.checkpoint}`;
+    showLine(view.message, view, checkpointLine(series)); // follows the run shown (a resumed one too)
     view.node.setDirtyCanvas?.(true, false);
   });
 }
@@ -222,7 +223,9 @@ app.registerExtension({
     });
     api.addEventListener("precision_lora.train_done", ({ detail }) => {
       if (!detail || detail.node === undefined || detail.node === null) return;
-      markDone(seriesFor(eventKey(owners, detail, currentGraphId())), detail);
+      const series = seriesFor(eventKey(owners, detail, currentGraphId()));
+      markDone(series, detail);
+      series.resumedFrom = detail.resumed_from || null;
       render(detail.node);
     });
     // A reload during a run: reconnecting the socket is when the history matters. The first "status"

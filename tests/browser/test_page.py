@@ -6,7 +6,7 @@ import pytest
 pytestmark = pytest.mark.browser
 
 OUR_EXTENSIONS = ["precision_lora.train_chart", "precision_lora.lora_info", "precision_lora.scale_display",
-                  "precision_lora.seed_default", "precision_lora.train_report"]
+                  "precision_lora.seed_default", "precision_lora.train_report", "precision_lora.lora_refresh"]
 
 
 def test_extensions_register_once_and_log_no_errors(comfy_page):
@@ -18,7 +18,7 @@ def test_extensions_register_once_and_log_no_errors(comfy_page):
                                  ".filter((n) => n.includes('/extensions/comfyui-precision-lora/'))")
     shipped = ("train_chart.js", "lora_info.js", "scale_display.js", "seed_default.js", "lib/series.js",
                "lib/lora_meta.js", "lib/scale.js", "lib/hooks.js", "lib/chart_owner.js",
-               "train_report.js", "lib/run_memory.js")
+               "train_report.js", "lib/run_memory.js", "lib/checkpoint_line.js", "lora_refresh.js")
     for f in shipped:
         assert any(s.endswith("/" + f) for s in listed), (f, listed)
     assert len(listed) == len(shipped), f"only shipped modules belong under web/: {listed}"
