@@ -155,6 +155,17 @@ def bucket_images(images: list[Any], resolution: int, multiple: int, max_upscale
     return out, counts
 
 
+def _empty_texts(texts: list[Any]) -> str:
+    """A report sentence naming the empty texts among non-empty ones (an image without its .txt caption
+    trains on the empty caption, issue 23 item 5), or ''."""
+    empty = [i for i, t in enumerate(texts) if isinstance(t, str) and not t.strip()]
+    if not empty or len(empty) == len(texts):
+        return ""
+    which = ", ".join(str(i) for i in empty)
+    return (f"; texts {which} (0-based, the images' order) are empty while the others are not: those images "
+            "train on the empty caption (a missing .txt?)")
+
+
 class PrecisionResolutionBuckets(PrecisionNode):
     NODE = NODE
 
@@ -203,6 +214,7 @@ class PrecisionResolutionBuckets(PrecisionNode):
         rows = ", ".join(f"{w}x{h} ({n})" for (w, h), n in sorted(counts.items(), key=lambda kv: -kv[1]))
         report = (f"{len(fitted)} images -> {len(counts)} buckets of about {resolution}^2 px: {rows}; "
                   f"multiple {step} px ({source})")
+        report += _empty_texts(texts)
         log.info("[Precision LoRA] %s: %s", NODE, report)
         return io.NodeOutput(fitted, texts, report)
 

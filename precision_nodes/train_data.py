@@ -150,6 +150,7 @@ class DatasetReport:
     captions: int
     shared: list[list[int]] = field(default_factory=list)  # samples (0-based) with the same caption, per caption
     per_sample: bool = True  # captions were given per sample (not one for all)
+    empty: list[int] = field(default_factory=list)  # samples (0-based) whose caption is empty_conditioning's
 
     def lines(self) -> list[str]:
         sizes = ", ".join(f"{size} x{n}" for size, n in self.sizes.items())
@@ -160,6 +161,12 @@ class DatasetReport:
             out.append(f"captions: 1 conditioning for all {self.samples} samples")
         else:
             out.append(f"captions: {self.captions} distinct for {self.samples} samples")
+        if self.per_sample and 0 < len(self.empty) < self.samples:
+            which = ", ".join(str(i + 1) for i in self.empty)
+            out.append(f"sample{'s' if len(self.empty) > 1 else ''} {which} of {self.samples} train on the empty "
+                       "caption (equal to empty_conditioning) while the others have captions: an image without its "
+                       ".txt caption (PrecisionLoadImageDataset's report names the file); write the caption or check "
+                       "that the .txt names match the images")
         for group in self.shared:
             out.append(f"samples {', '.join(str(i + 1) for i in group)} have the same caption: images without a "
                        ".txt caption all get the empty caption from MakeTrainingDataset; add captions or check "
@@ -204,7 +211,15 @@ def _size(model: Any, latent: torch.Tensor) -> str:
     return f"{w * ratio}x{h * ratio} px"
 
 
-def _report(model: Any, samples: list[Sample], conds: list[list], n_rows: int, n_latents: int) -> DatasetReport:
+def _empty_samples(model: Any, conds: list[list], empty: list[Any] | None) -> list[int]:
+    """Samples whose caption equals the one row of ``empty`` (the empty caption's conditioning); none without
+    it (a conditioning cannot tell which text it was encoded from) or when it is not one row."""
+    rows = _cond_rows(model, empty, "empty_conditioning") if empty else []
+    return [i for i, cond in enumerate(conds) if _same_caption(cond, rows[0])] if len(rows) == 1 else []
+
+
+def _report(model: Any, samples: list[Sample], conds: list[list], n_rows: int, n_latents: int,
+            empty: list[Any] | None = None) -> DatasetReport:
     sizes: dict[str, int] = {}
     for s in samples:
         key = _size(model, s.latent)
@@ -213,7 +228,8 @@ def _report(model: Any, samples: list[Sample], conds: list[list], n_rows: int, n
     groups = _caption_groups(conds)
     per_sample = n_rows > 1
     shared = [g for g in groups if len(g) > 1] if per_sample else []
-    return DatasetReport(len(samples), n_latents, sizes, buckets, len(groups), shared, per_sample)
+    return DatasetReport(len(samples), n_latents, sizes, buckets, len(groups), shared, per_sample,
+                         _empty_samples(model, conds, empty) if per_sample else [])
 
 
 def build_samples(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
@@ -223,14 +239,15 @@ def build_samples(model: Any, latents: list[Any], conditionings: list[Any], clas
 
 
 def build_dataset(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
-                  device: torch.device) -> tuple[list[Sample], DatasetReport]:
-    """``build_samples`` and the report of what they are."""
+                  device: torch.device, empty: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
+    """``build_samples`` and the report of what they are. ``empty``: the empty caption's CONDITIONING
+    (Train LoRA's empty_conditioning), when connected: the report names the samples that train on it."""
     with torch.inference_mode(False):
-        return _build(model, latents, conditionings, class_conditionings, device)
+        return _build(model, latents, conditionings, class_conditionings, device, empty)
 
 
 def _build(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
-           device: torch.device) -> tuple[list[Sample], DatasetReport]:
+           device: torch.device, empty: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
     if not latents:
         raise _err("latents", "the dataset is empty: connect at least one latent")
     if not conditionings:
@@ -249,4 +266,4 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
         cenc = _encode(model, ccond, x0, device) if ccond is not None else None
         group = (_group_key(enc), _group_key(cenc) if cenc is not None else None)
         samples.append(Sample(latent=x0, cond=enc, group=group, class_cond=cenc))
-    return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents))
+    return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty)
