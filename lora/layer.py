@@ -9,6 +9,9 @@ Dtype contract:
   **once** to the output dtype (the autocast dtype when autocast is on for the input's device, else
   ``x.dtype``).
 - ``fp32_accumulation=False``: the plain path, base and delta computed in the model dtype and added there.
+- Saved for backward (fp32 path): a bf16/fp16 input is kept in its own dtype and upcast again in backward
+  (``lora.linear.upcast_linear``; exact), so the fp32 path keeps no fp32 copy of a layer's input and saves
+  what a plain bf16 LoRA saves (element dropout, when on, still keeps fp32 masked inputs).
 
 Shapes: ``x`` (..., in_features); ``weight`` (out_features, in_features); ``bias`` (out_features,) or None;
 output (..., out_features). Fused projections (qkv) are ordinary wide linears here.
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PARAM_DTYPES, LoRAConfig
-from .linear import base_linear_fp32, low_precision_dtype, output_dtype
+from .linear import base_linear_fp32, low_precision_dtype, output_dtype, upcast_linear
 
 
 class DropoutRNG:
@@ -150,11 +153,15 @@ class LoRAAdapter(nn.Module):
             keep = keep[rows]
         return keep / (1.0 - p)
 
-    def _down(self, h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """Dropout, ``down`` projection, rank dropout: (..., in) -> (..., rank)."""
+    def _down(self, h: torch.Tensor, down: torch.Tensor, upcast: bool = False) -> torch.Tensor:
+        """Dropout, ``down`` projection, rank dropout: (..., in) -> (..., rank). ``upcast``: an fp32 result
+        from an ``h`` in any dtype (fp32 path); without element dropout a bf16/fp16 ``h`` is then kept for
+        backward in its own dtype, not as an fp32 copy (``lora.linear.upcast_linear``)."""
         if self.training and self.dropout > 0:
-            h = h * self._mask(h.shape, self.dropout, h)
-        h = F.linear(h, down)
+            h = (h.float() if upcast else h) * self._mask(h.shape, self.dropout, h)
+            h = F.linear(h, down)
+        else:
+            h = upcast_linear(h, down) if upcast else F.linear(h, down)
         if self.training and self.rank_dropout > 0:
             shape = (h.shape[0],) + (1,) * (h.dim() - 2) + (h.shape[-1],) if h.dim() > 1 else h.shape
             h = h * self._mask(shape, self.rank_dropout, h)
@@ -174,7 +181,7 @@ class LoRAAdapter(nn.Module):
         if self._skip(x.device):
             return None
         with torch.autocast(device_type=x.device.type, enabled=False):
-            h = self._low_rank(x.float(), self.down.float(), self.up.float())
+            h = F.linear(self._down(x, self.down.float(), upcast=True), self.up.float())
             return h * (self.scale * self.multiplier)
 
     def add_delta_fp32(self, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +191,7 @@ class LoRAAdapter(nn.Module):
         if self.module_dropout > 0 and self._skip(x.device):
             return acc
         down, up = self._factors_fp32()
-        h = self._down(x if x.dtype == torch.float32 else x.float(), down)
+        h = self._down(x, down, upcast=True)
         out = torch.addmm(acc.reshape(-1, acc.shape[-1]), h.reshape(-1, h.shape[-1]), up.t(),
                           alpha=self.scale * self.multiplier)
         return out.view(acc.shape)
@@ -207,7 +214,7 @@ class LoRAAdapter(nn.Module):
         acc = base_linear_fp32(x2, weight, bias, low)  # a fresh tensor on every path
         if not (self.module_dropout > 0 and self._skip(x.device)):
             down, up = self._factors_fp32()
-            h = torch.mm(x2 if x2.dtype == torch.float32 else x2.float(), down.t())
+            h = torch.mm(x2, down.t()) if x2.dtype == torch.float32 else upcast_linear(x2, down)
             acc.addmm_(h, up.t(), alpha=self.scale * self.multiplier)
         return acc.view(*x.shape[:-1], acc.shape[-1])
 

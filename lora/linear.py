@@ -24,7 +24,9 @@ class _LowPrecisionGemmFp32Out(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x2, w)
+        # the base weight is frozen in training: x2 is then not needed, and not kept, for backward
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, w.dtype
         return _gemm_fp32_out(x2, w.t())
 
     @staticmethod
@@ -32,10 +34,43 @@ class _LowPrecisionGemmFp32Out(torch.autograd.Function):
         x2, w = ctx.saved_tensors
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = _gemm_fp32_out(grad.to(w.dtype), w).to(x2.dtype)
+            gx = _gemm_fp32_out(grad.to(w.dtype), w).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            gw = _gemm_fp32_out(grad.to(x2.dtype).t(), x2).to(w.dtype)
+            gw = _gemm_fp32_out(grad.to(x2.dtype).t(), x2).to(ctx.w_dtype)
         return gx, gw
+
+
+class _UpcastMm(torch.autograd.Function):
+    """x2 (m, k) bf16/fp16 @ w (n, k)^T fp32 -> (m, n) fp32, computed as ``x2.float() @ w.t()`` but saving
+    x2 in its own dtype: the backward upcasts it again (exact), so the fp32 LoRA path keeps no fp32 copy of
+    a layer's input alive until backward. Gradients are the ones autograd gives ``x2.float() @ w.t()``
+    (same formulas, same operand layouts), so values are bit-identical to the plain composition."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(x2 if need_w else None, w if need_x else None)
+        ctx.x_dtype = x2.dtype
+        return torch.mm(x2.float(), w.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
+        x2, w = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = grad.mm(w).to(ctx.x_dtype)  # autograd's mm_mat1_backward for a row-major mat1
+        if ctx.needs_input_grad[1]:
+            gw = grad.t().mm(x2.float())  # mm_mat2_backward for the column-major w.t(), transposed back
+        return gx, gw
+
+
+def upcast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x.float(), w)`` for an fp32 ``w`` (a LoRA factor) without keeping ``x.float()`` for backward:
+    a bf16/fp16 ``x`` is saved as it is and upcast again in backward. x (..., k) -> (..., n) fp32."""
+    if x.dtype == torch.float32:
+        return F.linear(x, w)
+    out = _UpcastMm.apply(x.reshape(-1, x.shape[-1]), w)
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
