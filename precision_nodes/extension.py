@@ -1,20 +1,20 @@
 """The V3 extension: the pack's node classes and its one-time registrations (HTTP routes, start-up sweep)."""
 from __future__ import annotations
 
-from . import attention, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, preview_node, probe, resolution, train, train_routes
+from . import attention, gate_errors, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, preview_node, probe, resolution, train, train_routes
 from . import dataset
-from . import dataset_cache
 from .comfy_io import ComfyExtension, io
 
 # A module that fails to import fails the pack loudly (ComfyUI prints IMPORT FAILED), which the e2e tests
 # look for.
 PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *preview_node.NODES, *loss_graph.NODES, *probe.NODES,
-    *dataset_cache.NODES,
     *dataset.NODES,
 ]
-# Each register() is idempotent: HTTP routes, and the sweep of stale temporary files.
-REGISTRATIONS = (train_routes.register, lora_routes.register, model_info.register, housekeeping.register)
+# Each register() is idempotent: HTTP routes, the sweep of stale temporary files, and the middleware that
+# files each of the gate's messages once, under its input.
+REGISTRATIONS = (train_routes.register, lora_routes.register, model_info.register, housekeeping.register,
+                 gate_errors.register)
 
 
 def register_routes() -> None:

@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..precision_nodes.gate_errors import collapse
 from ..training import distributed
 from ..training.checkpoint import (LEGACY_STATE_SUFFIX, LORA_SUFFIX, STATE_SUFFIX, STATE_SUFFIXES, find_state,
                                    state_candidates, state_stem)
@@ -351,7 +352,7 @@ def _validation_text(valid: tuple) -> str:
     error, node_errors = valid[1], valid[3]
     lines = [f"the workflow does not validate: {error.get('message', error) if isinstance(error, dict) else error}"]
     for node_id, info in (node_errors or {}).items():
-        for err in info.get("errors", []):
+        for err in collapse(info.get("errors", [])):  # the pack's message once, not once per input
             lines.append(f"  node {node_id} ({info.get('class_type')}): {err.get('message')}: {err.get('details')}")
     return "\n".join(lines)
 

@@ -129,3 +129,20 @@ def test_comfyui_validation_refuses_nan_it_would_let_through(pack):
     details = " | ".join(e.get("details", "") for e in errors)
     assert not ok
     assert "PrecisionProbe: input 'noise_level'=nan is not a finite number; use a value in [0.01, 0.99]" in details
+
+
+def test_the_headless_runner_prints_a_gate_message_once_under_its_input(pack):
+    """Issue 22 item 7 for scripts/train.py: ComfyUI's validation files the gate's one message under every input
+    of the node; the runner's report shows it once, under the input at fault."""
+    import execution
+
+    settings = comfy_harness.pack_module("training.settings").TrainSettings().to_dict()
+    prompt = {"1": {"class_type": "PrecisionTrainSettings", "inputs": {**settings, "warmup_steps": -1}}}
+    ok, errors, _ = asyncio.run(execution.validate_inputs(str(uuid.uuid4()), prompt, "1", {}))
+    assert not ok and len(errors) == len(settings)  # the host's copies, one per input
+    text = comfy_harness.pack_module("runner.headless")._validation_text(
+        (False, {"message": "invalid"}, [], {"1": {"errors": errors, "class_type": "PrecisionTrainSettings"}}))
+    lines = text.splitlines()[1:]
+    assert len(lines) == 1, text
+    assert "warmup_steps - [Precision LoRA] PrecisionTrainSettings: input 'warmup_steps'=-1 is below the minimum 0" \
+        in lines[0], text

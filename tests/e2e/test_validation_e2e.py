@@ -143,3 +143,46 @@ def test_train_lora_literal_bad_values_are_still_refused_at_validation(server):
     assert status == 400
     details = " | ".join(e["details"] for e in node_errors(body, "6"))
     assert "PrecisionTrainLoRA: input 'steps'=0 is below the minimum 1" in details, json.dumps(body)[:2000]
+
+
+ONE_BAD_VALUE = [
+    # node of _train_prompt, input, bad value, the message ComfyUI's answer must carry once
+    ("5", "learning_rate", float("nan"), "PrecisionTrainSettings: input 'learning_rate'=nan is not a finite number"),
+    ("5", "optimizer", "sgd_typo", "PrecisionTrainSettings: input 'optimizer'='sgd_typo' is not an option"),
+    ("7", "filename_prefix", "../escape", "PrecisionSaveLoRA: input 'filename_prefix'='../escape' contains '..'"),
+    ("2", "include", "(", "PrecisionAttachLoRA: include regex '(' is invalid"),
+    ("6", "steps", 0, "PrecisionTrainLoRA: input 'steps'=0 is below the minimum 1"),
+    ("6", "name", "a/b", "PrecisionTrainLoRA: input 'name'='a/b' must be a plain file name"),
+]
+
+
+@pytest.mark.parametrize("node, name, bad, message", ONE_BAD_VALUE, ids=[f"{c[0]}-{c[1]}" for c in ONE_BAD_VALUE])
+def test_one_bad_value_gives_one_error_under_its_input(server, node, name, bad, message):
+    """Issue 22 item 7: ComfyUI filed the gate's one message under every input of the node (Train Settings:
+    one entry per setting); the answer now has it once, under the input at fault."""
+    prompt = _train_prompt(3, 0, "one_error", "one_error/lora")
+    prompt[node]["inputs"][name] = bad
+    status, body = post(server, prompt)
+    assert status == 400
+    assert set(body["node_errors"]) == {node}, json.dumps(body)[:2000]
+    (error,) = node_errors(body, node)
+    assert error["type"] == "custom_validation_failed" and error["extra_info"]["input_name"] == name, error
+    assert error["details"].startswith(f"{name} - [Precision LoRA] {message}"), error
+
+
+def test_two_bad_values_give_two_errors_each_under_its_input_and_host_errors_stay(server, dataset):
+    """A message per problem: the gate reports the first bad value of a node; ComfyUI's own entries (a
+    missing input) are left as they are."""
+    prompt = _buckets_prompt(dataset, max_upscale=float("nan"))
+    del prompt["2"]["inputs"]["resolution"]
+    prompt["5"] = {"class_type": "PrecisionSaveLoRA", "inputs": {
+        "model": ["6", 0], "filename_prefix": "/abs", "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+        "use_counter": True, "overwrite": False}}
+    prompt["6"] = {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}}
+    status, body = post(server, prompt)
+    assert status == 400
+    buckets = node_errors(body, "2")
+    kinds = sorted((e["type"], e["extra_info"]["input_name"]) for e in buckets)
+    assert kinds == [("custom_validation_failed", "max_upscale"), ("required_input_missing", "resolution")], buckets
+    (save,) = node_errors(body, "5")
+    assert save["extra_info"]["input_name"] == "filename_prefix" and "is an absolute path" in save["details"], save

@@ -57,3 +57,49 @@ def test_train_settings_still_accept_their_defaults_and_zero_where_meaningful():
     TrainSettings().validate()
     TrainSettings(max_grad_norm=0.0, dop_multiplier=0.0, weight_decay=0.0).validate()
     assert math.isfinite(TrainSettings().learning_rate)
+
+
+# ---- issue 22, item 7: one entry per problem in ComfyUI's answer (precision_nodes/gate_errors.py) ------------
+
+def _gate_errors():
+    import importlib
+
+    from pure_packages import PACK
+
+    return importlib.import_module(f"{PACK}.precision_nodes.gate_errors")
+
+
+def _copies(message: str, names: list[str]) -> list[dict]:
+    """What ComfyUI makes of one validate_inputs message: a copy under every input."""
+    return [{"type": "custom_validation_failed", "message": "Custom validation failed for node",
+             "details": f"{n} - {message}", "extra_info": {"input_name": n}} for n in names]
+
+
+INPUTS = ["model", "rank", "include", "exclude", "seed"]
+COLLAPSED = [
+    ("[Precision LoRA] PrecisionAttachLoRA: input 'seed'=-1 is below the minimum 0; use ...", "seed"),
+    ("[Precision LoRA] PrecisionAttachLoRA: include regex '(' is invalid (...): fix the regular expression", "include"),
+    ("[Precision LoRA] X: input 'exclude'='a' and input 'include'='a' select nothing; change one", "exclude"),
+    ("[Precision LoRA] X: the model and its rank ...", "model"),  # bare names: the earliest one
+    ("[Precision LoRA] X: nothing named here", "model"),  # none named: the first input
+]
+
+
+@pytest.mark.parametrize("message, name", COLLAPSED)
+def test_a_pack_message_filed_under_every_input_is_kept_once_under_its_input(message, name):
+    (one,) = _gate_errors().collapse(_copies(message, INPUTS))
+    assert one["extra_info"]["input_name"] == name
+    assert one["details"] == f"{name} - {message}" and one["type"] == "custom_validation_failed"
+
+
+def test_collapse_leaves_host_entries_and_other_packs_alone_and_keeps_distinct_messages():
+    host = {"type": "required_input_missing", "message": "Required input is missing", "details": "rank",
+            "extra_info": {"input_name": "rank"}}
+    other = _copies("[Other Pack] bad", ["model", "rank"])
+    ours = _copies("[Precision LoRA] N: input 'rank'=0 is below the minimum 1; use ...", INPUTS)
+    theirs = _copies("[Precision LoRA] N: input 'seed'=-1 is below the minimum 0; use ...", INPUTS)
+    out = _gate_errors().collapse([host, *other, *ours, *theirs])
+    assert out[:3] == [host, *other]
+    assert [e["extra_info"]["input_name"] for e in out[3:]] == ["rank", "seed"]
+    body = {"error": {}, "node_errors": {"7": {"errors": ours, "class_type": "N"}}}
+    assert len(_gate_errors().collapse_response(body)["node_errors"]["7"]["errors"]) == 1
