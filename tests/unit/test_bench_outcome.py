@@ -6,7 +6,6 @@ import math
 import os
 import sys
 
-import pytest
 import torch
 
 from lora.config import LoRAConfig
@@ -49,6 +48,10 @@ def test_outcome_bench_quick(capsys):
         for row in rows[:-1]:
             assert math.isfinite(row["dw_dist"]) and row["dw_dist"] > 0 and row["out_dist"] > 0
     a, a_fp32_params, b, _c = next(iter(results["lora"].values()))
-    assert a["dw_dist"] != pytest.approx(b["dw_dist"], rel=1e-6)  # bf16 and fp32-accumulating runs really differ
+    # the point of the bench: the fp32-accumulating run lands closer to the fp32 reference than both bf16-add
+    # runs, in the learned delta and in what that delta does in an fp64 model (seeded: 1.26 vs 1.59, 1.34 vs 2.02)
+    for bf16 in (a, a_fp32_params):
+        assert b["dw_dist"] < 0.9 * bf16["dw_dist"], (b, bf16)
+        assert b["out_fp32_dist"] < 0.9 * bf16["out_fp32_dist"], (b, bf16)
     assert 0.0 <= a["down_moved"] <= a_fp32_params["down_moved"] == 1.0  # bf16 storage can only lose updates
     assert 0.0 <= results["ties"] <= 1.0

@@ -39,6 +39,17 @@ def test_logit_normal_matches_its_definition():
     assert abs(float(z.mean()) - 1.0) < 0.01 and abs(float(z.std()) - 0.5) < 0.01
 
 
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_sigmoid_matches_its_definition(scale):
+    """u = sigmoid(scale * z): logit(u) is normal with std ``scale`` (a mean of 0.5 alone holds for any law
+    symmetric about 0.5), and P(u < 0.1) = Phi(logit(0.1) / scale), which grows with the scale."""
+    u = _draw("sigmoid", sigmoid_scale=scale)
+    z = torch.logit(u)
+    assert abs(float(z.mean())) < 0.01 * scale and abs(float(z.std()) - scale) < 0.01 * scale
+    expected = 0.5 * (1 + math.erf(math.log(0.1 / 0.9) / scale / math.sqrt(2)))
+    assert abs(float((u < 0.1).double().mean()) - expected) < 0.005
+
+
 def test_shift_sampler_is_the_time_shift_of_a_uniform_draw():
     u = _draw("shift", shift=3.0)
     r = torch.rand(N, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
