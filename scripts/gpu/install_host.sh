@@ -44,7 +44,7 @@ REQS="$DEST/requirements.txt"
 log "installing $(wc -l < "$REQS") requirements and ${#KERNELS[@]} kernel wheels (no index, no deps)"
 "$PY" -m pip install -q --no-index --no-deps --no-cache-dir "${LINKS[@]}" -r "$REQS"
 [ ${#KERNELS[@]} -eq 0 ] || "$PY" -m pip install -q --no-index --no-deps --no-cache-dir "${KERNELS[@]}"
-IMAGE_SITE="$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
+IMAGE_SITE="$(python3 -c 'import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec("torch").origin)))')"
 "$PY" -c 'import sysconfig, sys; open(sysconfig.get_paths()["purelib"] + "/zz_gpu_image.pth", "w").write(sys.argv[1] + "\n")' "$IMAGE_SITE"
 case "$HOST" in
   0.33.0) python3 scripts/unpack_comfyui.py tarball "$WORK/bundle/core/comfyui-0.33.0.tar.gz" "$DEST/comfyui" --sha256 "$COMFYUI_033_SHA256" ;;
