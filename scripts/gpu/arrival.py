@@ -6,12 +6,16 @@ when an assumption fails, with what to do, so no phase runs on a mismatched inte
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 import subprocess
 import sys
 
 ENV = pathlib.Path(__file__).with_name("assumed.env")
+# Environment switches that force TF32 for fp32 cuBLAS GEMMs whatever torch's flags say (NGC-style images set
+# the first); gpu_check's test phases run with both at 0 so fp32 comparisons mean IEEE fp32, as on the CPU.
+TF32_ENV = ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")
 
 
 def assumed() -> dict[str, str]:
@@ -25,6 +29,11 @@ def facts() -> dict:
         import torch
 
         out.update(torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
+        # what decides whether fp32 GEMMs round their operands to TF32 (issue #27, defect 1)
+        out["tf32"] = {"matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                       "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                       "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                       **{k: os.environ.get(k) for k in TF32_ENV}}
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             out.update(device=props.name, capability=f"{props.major}.{props.minor}",

@@ -124,6 +124,7 @@ def markdown(s: dict) -> str:
              f"driver {f.get('driver', '?')}",
              f"- versions: Python {f.get('python', '?')}, torch {f.get('torch', '?')} (CUDA {f.get('torch_cuda', '?')}), "
              f"triton {f.get('triton', '?')}; pack commit {s.get('commit', '?')}",
+             f"- TF32 state at arrival (the test phases run with the cuBLAS overrides at 0): {f.get('tf32', '?')}",
              f"- budget: {s['minutes']} min; used {s.get('elapsed_s', 0)} s" + (" (dry run)" if s["dry_run"] else ""),
              f"- bundle: {'complete' if s['bundle']['complete'] else 'INCOMPLETE'} ({s['bundle']['dir']})", "",
              "| # | phase | result | time s | box s | counts | command |", "|---|---|---|---|---|---|---|"]

@@ -26,8 +26,13 @@ KEYS = {"0.33.0": "033", "0.3.75": "0375"}  # placeholder suffixes: {py033}, {co
 PYTEST = "-m pytest -q -p no:cacheprovider --timeout 600"
 
 
+# The tests and benches compare fp32 results to 1e-4..1e-5: IEEE fp32 GEMMs, whatever the image's environment
+# forces (arrival.py records what it found; issue #27, defect 1).
+IEEE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0"
+
+
 def _host_env(host: str) -> str:
-    return f"PRECISION_LORA_COMFYUI={{comfy{KEYS[host]}}}"
+    return f"{IEEE} PRECISION_LORA_COMFYUI={{comfy{KEYS[host]}}}"
 
 
 def _install(host: str, groups: tuple[str, ...]) -> Phase:

@@ -97,6 +97,23 @@ def test_saved_lora_equals_stock_on_cuda_with_tf32_off(family, pack_module):
     assert diff <= 1e-4, f"{family}: {diff:.2e} with TF32 off (flags before: matmul, cudnn = {flags})"
 
 
+@pytest.mark.gpu
+def test_fp32_matmul_on_cuda_is_ieee_in_this_process():
+    """Defect 1's first suspect on the machine itself: an fp32 GEMM whose operands are rounded to TF32. torch's
+    flags default to IEEE and ComfyUI does not change them, but TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 (set in
+    NGC-style images) or NVIDIA_TF32_OVERRIDE forces TF32 in cuBLAS whatever the flags say. Tolerance argument:
+    a 512-long fp32 dot product is exact to ~1e-6 relative (of the largest output) against fp64; TF32 operands
+    (2^-11 relative each) give ~1e-3, so 1e-5 separates the two by two orders of magnitude either way."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 512, generator=gen, dtype=torch.float64), torch.randn(512, 512, generator=gen, dtype=torch.float64)
+    ref = a @ b
+    got = (a.float().cuda() @ b.float().cuda()).double().cpu()
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    state = {"allow_tf32": torch.backends.cuda.matmul.allow_tf32, "precision": torch.get_float32_matmul_precision(),
+             **{k: os.environ.get(k) for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")}}
+    assert rel < 1e-5, f"fp32 GEMM rel. error {rel:.1e}: TF32 in use ({state})"
+
+
 def _stock_and_ours(name: str):
     import comfy.sd
     import comfy_harness
