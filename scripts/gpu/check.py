@@ -146,8 +146,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=9.0,
                     help="wall-clock budget for all phases (default 9: one device call is at most 10 min)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_check_out"),
-                    help="folder for summary.md, summary.json, logs.tar.gz (default $OUT, else gpu_check_out)")
+    ap.add_argument("--out", default=os.environ.get("OUT"),
+                    help="folder for summary.md, summary.json, logs.tar.gz (default $OUT, else WORK/out)")
     ap.add_argument("--bundle", default=os.environ.get("GPU_BUNDLE") or str(ROOT / ".gpu_bundle"))
     ap.add_argument("--work", default=os.environ.get("GPU_WORK") or "/tmp/precision_lora_gpu",
                     help="the throwaway environment (venvs, ComfyUI trees, logs)")
@@ -160,7 +160,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    out, work, bundle = pathlib.Path(a.out), pathlib.Path(a.work), pathlib.Path(a.bundle)
+    work, bundle = pathlib.Path(a.work), pathlib.Path(a.bundle)
+    out = pathlib.Path(a.out) if a.out else work / "out"
     report = bundle_report(bundle)
     previous = {}
     if a.resume and (out / "summary.json").is_file():
