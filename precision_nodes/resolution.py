@@ -180,7 +180,7 @@ class PrecisionResolutionBuckets(PrecisionNode):
                         "MakeTrainingDataset.",
             is_input_list=True,
             inputs=[
-                io.Image.Input("images", tooltip="The image list of LoadImageTextDataSetFromFolder (or any IMAGEs)."),
+                io.Image.Input("images", tooltip="The image list of PrecisionLoadImageDataset or LoadImageTextDataSetFromFolder (or any IMAGEs)."),
                 io.Int.Input("resolution", default=1024, min=64, max=8192, step=16,
                              tooltip="Target side: every bucket has about resolution x resolution pixels (512, 768, 1024 ...)."),
                 io.Int.Input("multiple", default=0, min=0, max=512, step=1,
@@ -189,7 +189,7 @@ class PrecisionResolutionBuckets(PrecisionNode):
                 io.Float.Input("max_upscale", default=2.0, min=1.0, max=16.0, step=0.1,
                                tooltip="Refuse (by index) an image that must be enlarged more than this to fill its bucket."),
                 io.String.Input("texts", optional=True, force_input=True,
-                                tooltip="The captions of LoadImageTextDataSetFromFolder: passed through in the same order."),
+                                tooltip="The captions of PrecisionLoadImageDataset or LoadImageTextDataSetFromFolder: passed through in the same order."),
                 io.Model.Input("model", optional=True, tooltip="The model to train: sets the multiple when 'multiple' is 0."),
             ],
             outputs=[
