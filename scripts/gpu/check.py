@@ -127,18 +127,17 @@ def markdown(s: dict) -> str:
              f"- TF32 state at arrival (the test phases run with the cuBLAS overrides at 0): {f.get('tf32', '?')}",
              f"- budget: {s['minutes']} min; used {s.get('elapsed_s', 0)} s" + (" (dry run)" if s["dry_run"] else ""),
              f"- bundle: {'complete' if s['bundle']['complete'] else 'INCOMPLETE'} ({s['bundle']['dir']})", "",
-             "| # | phase | result | time s | box s | counts | command |", "|---|---|---|---|---|---|---|"]
+             "| # | phase | result | time s | box s | counts / reason | command |", "|---|---|---|---|---|---|---|"]
     for i, p in enumerate(s["phases"], 1):
-        counts = ", ".join(f"{v} {k}" for k, v in p.get("counts", {}).items())
-        lines.append(f"| {i} | {p['name']} | {p['result']} | {p.get('seconds', '')} | {p['box_s']} | {counts} | "
+        note = ", ".join(f"{v} {k}" for k, v in p.get("counts", {}).items()) or p.get("reason", "")
+        lines.append(f"| {i} | {p['name']} | {p['result']} | {p.get('seconds', '')} | {p['box_s']} | {note} | "
                      f"`{p['command']}` |")
     for g, state in s["bundle"]["groups"].items():
         if state != "complete":
             lines.append(f"\nbundle group {g}: {'; '.join(state)}")
     for p in s["phases"]:
-        if p["result"] not in ("passed", "pending") and (p.get("tail") or p.get("reason")):
-            lines += ["", f"## {p['name']}: {p['result']}", ""]
-            lines += [p["reason"]] if p.get("reason") else ["```", *p["tail"][-25:], "```"]
+        if p["result"] in ("failed", "timeout") and p.get("tail"):
+            lines += ["", f"## {p['name']}: {p['result']}", "", "```", *p["tail"][-25:], "```"]
     return "\n".join(lines) + "\n"
 
 

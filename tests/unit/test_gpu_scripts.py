@@ -170,7 +170,8 @@ def test_run_time_boxes_each_phase_and_reports_every_result(tmp_path, monkeypatc
     assert by["bad"]["rc"] == 3 and "boom" in by["bad"]["tail"]
     assert by["missing-bench"]["reason"] == "bench/nope.py does not exist in this tree"
     md = (out / "summary.md").read_text()
-    assert "| 2 | slow | timeout |" in md and "## bad: failed" in md
+    assert "| 2 | slow | timeout |" in md and "## bad: failed" in md and "## slow: timeout" in md
+    assert "| 4 | after-slow | skipped |  | 30 | needs phase slow to pass first |" in md
     assert (out / "logs.tar.gz").is_file()
     # --resume keeps passed/failed phases and runs only the rest
     rc = check.main(["--bundle", str(b), "--out", str(out), "--work", str(tmp_path / "w"), "--minutes", "2",
