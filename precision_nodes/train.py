@@ -21,6 +21,7 @@ from .comfy_io import io
 from .train_captions import with_empty_caption
 from .train_data import build_dataset
 from .checkpoint_files import verify_resume
+from .graph_checks import refusal
 from .train_glue import checkpoint_writer, fork_lora, model_fns, training_session
 from .train_jobs import finish_job, start_job, stopped_runs
 from .train_preview import PreviewStepHook, make_previewer, node_outputs
@@ -258,6 +259,10 @@ class PrecisionTrainLoRA(PrecisionNode):
 
     @classmethod
     def check(cls, values: dict) -> str | None:
+        for name in ("empty_conditioning", "class_conditioning"):  # rules across nodes (graph_checks)
+            refused = refusal(values.get(name))
+            if refused:
+                return refused
         resume = values.get("resume_from") or ""
         if not resume.strip():
             return None

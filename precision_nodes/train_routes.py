@@ -125,5 +125,10 @@ def register() -> None:
     routes = PromptServer.instance.routes
     routes.post(CONTROL_ROUTE)(make_control_handler(current_job))
     routes.get(HISTORY_ROUTE)(make_history_handler(current_job))
+    from .graph_checks import on_prompt
+
+    add_handler = getattr(PromptServer.instance, "add_on_prompt_handler", None)  # stand-in servers have none
+    if callable(add_handler):
+        add_handler(on_prompt)  # rules across nodes, checked when a prompt is queued
     _registered = True
     log.info("[Precision LoRA] routes %s and %s registered", CONTROL_ROUTE, HISTORY_ROUTE)

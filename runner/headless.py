@@ -328,6 +328,9 @@ def _validate(execution, prompt_id: str, prompt: dict, targets: list[str]) -> st
     without a writer is checked too."""
     import nodes
 
+    from ..precision_nodes.graph_checks import mark_prompt
+
+    mark_prompt(prompt)  # what the server's on_prompt handler does for /prompt: rules across nodes
     needed = set(targets).union(*(_ancestors(prompt, t) for t in targets))
     missing = sorted((i for i in needed if prompt[i]["class_type"] not in nodes.NODE_CLASS_MAPPINGS), key=_order)
     if missing:

@@ -81,3 +81,20 @@ def test_states_stay_with_their_lora_and_resume_only_their_run(server):
     _chain(prompt, 40, 1e-2, 2, "e2e_states/none", resume_from="no_such_folder/final_00001_.safetensors")
     details = _refusal(server, prompt)
     assert "there is no folder 'no_such_folder'" in details and "my_lora/my_lora_step000072.safetensors" in details
+
+
+@pytest.mark.parametrize("setting, needed", [("caption_dropout", "empty_conditioning"),
+                                             ("dop_multiplier", "class_conditioning")])
+def test_settings_that_need_a_train_input_are_refused_when_queued(server, setting, needed):
+    """Issue 23 item 8: refused by /prompt (before any node runs, so before any caption is encoded), naming
+    both inputs and nodes; connected, the same prompt is accepted and trains."""
+    prompt = _base()
+    save = _chain(prompt, 50, 1e-3, 1, f"e2e_rules/{setting}")
+    prompt["50"]["inputs"][setting] = 0.1
+    before = server.log_text().count("PrecisionTrainLoRA: dataset:")
+    details = _refusal(server, prompt)
+    assert (f"PrecisionTrainLoRA: input '{needed}' is not connected, but input '{setting}'=0.1 of node 50 "
+            f"(PrecisionTrainSettings) needs it: connect") in details, details
+    assert server.log_text().count("PrecisionTrainLoRA: dataset:") == before  # nothing ran
+    prompt["51"]["inputs"][needed] = ["3", 0]
+    assert os.path.isfile(server.run(prompt)["outputs"][save]["text"][0])
