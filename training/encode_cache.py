@@ -51,7 +51,8 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 def sampled_bytes(t: torch.Tensor) -> bytes:
-    """Every byte of a small tensor; ``BLOCKS`` evenly spaced blocks of a large one (reads only those pages)."""
+    """Every byte of a small tensor; ``BLOCKS`` evenly spaced blocks of a large one (reads only those pages,
+    one device-to-host copy per tensor)."""
     size = t.numel() * t.element_size()
     if size <= FULL_BYTES:
         return _raw(t)
@@ -59,7 +60,14 @@ def sampled_bytes(t: torch.Tensor) -> bytes:
     per = max(1, BLOCK_BYTES // t.element_size())
     last = flat.numel() - per
     starts = sorted({round(i * last / (BLOCKS - 1)) for i in range(BLOCKS)})
-    return b"".join(_raw(flat[s:s + per]) for s in starts)
+    return _raw(torch.cat([flat[s:s + per] for s in starts]))
+
+
+def _quantized(t: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+    """(stored data, parameters) of a quantized tensor subclass (comfy-kitchen's QuantizedTensor keeps its
+    bytes in ``_qdata`` and its scales in ``_params``), else None."""
+    data = getattr(t, "_qdata", None)
+    return (data, getattr(t, "_params", None)) if isinstance(data, torch.Tensor) else None
 
 
 class Hasher:
@@ -73,7 +81,12 @@ class Hasher:
         h = self.h
         if isinstance(value, torch.Tensor):
             h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-            h.update(sampled_bytes(value) if self.sample else _raw(value))
+            quantized = _quantized(value)
+            if quantized is not None:
+                h.update(f"Q{type(value).__qualname__}".encode())
+                self.add(quantized[0]).add(quantized[1])
+            else:
+                h.update(sampled_bytes(value) if self.sample else _raw(value))
         elif value is None or isinstance(value, (bool, int, str)):
             h.update(f"{type(value).__name__}:{value!r};".encode())
         elif isinstance(value, float):
