@@ -296,7 +296,7 @@ class PrecisionTrainLoRA(PrecisionNode):
                 io.Conditioning.Input("class_conditioning", optional=True, tooltip="Class prompt (without trigger) for DOP."),
                 TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
                 io.String.Input("resume_from", default="", optional=True,
-                                tooltip="Checkpoint to resume from, as LoRA loaders list it (e.g. my_run/my_run_step000100.safetensors); plain names in output/precision_lora/checkpoints still work (empty = none)."),
+                                tooltip="Checkpoint to resume from, as LoRA lists name it (e.g. my_run/my_run_step000100.safetensors, or a LoRA saved by Save LoRA with its training_state), or its full path as this node shows it (empty = none). Changed settings take effect; the optimizer must be the same."),
                 PreviewSettingsType.Input("preview", optional=True,
                                           tooltip="From PrecisionPreviewSettings: sample images every N steps, shown on this node and saved as output/precision_lora/previews/<name>/<name>_step<N>_<i>.png. Training is identical with or without."),
                 io.Conditioning.Input("empty_conditioning", optional=True,

@@ -61,7 +61,7 @@ REAL_TRAIN_NOTE = (
     "continues there. The chart on Train LoRA shows the loss live; at the start of a run the node shows the\n"
     "dataset report (samples, sizes, buckets, captions). Stop keeps the LoRA so far.\n"
     "Save LoRA writes models/loras/" + REAL_LORA_PREFIX + "_00001_.safetensors (the counter grows on later\n"
-    "runs; it never overwrites) and its training state into output/precision_lora/checkpoints, so a later\n"
+    "runs; it never overwrites) and its training state beside it (same name, .trainstate), so a later\n"
     "Train LoRA with resume_from=" + REAL_LORA + " continues there.\n"
     "Loss Graph saves the learning curve (PNG + CSV).\n"
     "Re-running the unchanged graph does not retrain (seeds are fixed); change an input to retrain.\n\n"
@@ -97,7 +97,7 @@ TRAIN_NOTE = (
     "5. KSampler + preview: a look at the model with the LoRA half-way.\n"
     "6. Train LoRA (second): continues the same training state (same optimizer, same loss sequence).\n"
     "7. Save LoRA writes models/loras/" + DEMO_LORA + " (kohya keys + metadata) and, from the\n"
-    "   training_state link, its training state into output/precision_lora/checkpoints: a later Train LoRA\n"
+    "   training_state link, its training state beside it (demo_lora.trainstate): a later Train LoRA\n"
     "   with resume_from=" + DEMO_LORA + " continues exactly there;\n"
     "   Loss Graph draws the whole run's learning curve (raw + smoothed) and saves it (PNG + CSV)."
 )

@@ -172,8 +172,8 @@ def test_training_twin_writes_the_lora_with_its_attention_settings(server, train
     assert status == 200, body
     assert body["summary"]["rank"] == md["ss_network_dim"]
     assert body["summary"]["softmax_scale"] == md["ss_attn_softmax_scale"]
-    # Save LoRA's training_state link: the run's state (2 x 3 steps) beside the checkpoints, resumable by name
-    state = torch.load(server.output_path("precision_lora/checkpoints", "demo_lora.trainstate"), weights_only=True)
+    # Save LoRA's training_state link: the run's state (2 x 3 steps) beside the LoRA, resumable by its name
+    state = torch.load(path[: -len(".safetensors")] + ".trainstate", weights_only=True)
     assert state["step"] == 6 and len(state["history"]) == 6 and md["ss_steps"] == "6"
 
 
