@@ -36,15 +36,11 @@ def _settings_node(prompt: dict, inputs: dict) -> tuple[str, dict] | None:
 
 
 def _valid(values: dict) -> bool:
-    """The settings node's values (linked ones left at their defaults) make valid ``TrainSettings``."""
-    from ..training.settings import TrainSettings
+    """The settings node's own validation accepts its values (linked ones are checked when they arrive): a
+    bad value there is that node's error alone, not also Train LoRA's."""
+    from .train import PrecisionTrainSettings  # train imports this module
 
-    fields = TrainSettings().to_dict()
-    try:
-        TrainSettings(**{k: v for k, v in values.items() if k in fields and not isinstance(v, list)})
-    except (TypeError, ValueError):
-        return False
-    return True
+    return PrecisionTrainSettings.validate_inputs(**{k: v for k, v in values.items() if not isinstance(v, list)}) is True
 
 
 def problems(prompt: dict) -> Iterator[tuple[str, str, str]]:

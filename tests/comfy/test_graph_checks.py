@@ -43,3 +43,15 @@ def test_a_prompt_that_breaks_no_rule_is_left_unchanged(pack_module):
     before = json.dumps(prompt, sort_keys=True)
     assert checks.on_prompt({"prompt": prompt})["prompt"] is prompt and json.dumps(prompt, sort_keys=True) == before
     assert checks.on_prompt({"no prompt": 1}) == {"no prompt": 1} and checks.on_prompt(None) is None
+
+
+def test_a_settings_value_its_own_node_refuses_is_not_reported_twice(pack_module):
+    """dop_multiplier=1e9 is above the input's maximum (100): the settings node's error, not Train LoRA's too."""
+    checks = pack_module("precision_nodes.graph_checks")
+    prompt = json.load(open(DEMO_TRAIN))
+    settings = next(k for k, n in prompt.items() if n["class_type"] == "PrecisionTrainSettings")
+    prompt[settings]["inputs"]["dop_multiplier"] = 1e9
+    assert list(checks.problems(prompt)) == []
+    prompt[settings]["inputs"]["dop_multiplier"] = 50.0
+    assert [(name, node) for node, name, _ in checks.problems(prompt)] == [
+        ("class_conditioning", k) for k, n in prompt.items() if n["class_type"] == "PrecisionTrainLoRA"]
