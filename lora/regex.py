@@ -12,8 +12,12 @@ about 6x longer. Two engines, chosen once:
   pattern inside the subset matches in well under a millisecond. Patterns outside it are refused with the
   reason and the remedy (install google-re2, or simplify).
 
-Both engines cap the pattern at ``MAX_PATTERN_CHARS``. Errors are ``ValueError`` naming the field, the
-pattern and why.
+Both engines cap the pattern at ``MAX_PATTERN_CHARS`` and its group nesting at ``MAX_GROUP_DEPTH`` (Python's
+``re`` parser recurses once per level and raised RecursionError at ~500, issue 22 item 4; RE2 takes any depth,
+but no module path needs more than a few levels), and refuse text that is not valid Unicode (a lone UTF-16
+surrogate). With RE2 the pattern is RE2's: ``\\p{Greek}`` and the like are accepted although ``re`` cannot parse
+them; a pattern RE2 refuses is called invalid with ``re``'s reason when ``re`` refuses it too, else a pattern
+RE2 cannot run in linear time. Errors are ``ValueError`` naming the field, the pattern and why.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_PATTERN_CHARS = 1000
 MAX_OPEN_REPEATS = 2
+MAX_GROUP_DEPTH = 100
 _engine: dict[str, Any] = {}
 
 
@@ -65,20 +70,62 @@ def compile_user_regex(pattern: str, field: str, use_re2: bool | None = None) ->
     if len(pattern) > MAX_PATTERN_CHARS:
         raise _err(field, pattern, f"is {len(pattern)} characters long",
                    f"keep it under {MAX_PATTERN_CHARS} (module paths are short; alternatives can be split)")
-    try:
-        compiled = re.compile(pattern)  # syntax errors read the same with either engine
-    except re.error as e:
-        raise _err(field, pattern, f"is invalid ({e})", "fix the regular expression") from None
+    _check_text(pattern, field)
     re2 = _re2() if use_re2 is not False else None
     if use_re2 and re2 is None:
         raise _err(field, pattern, "needs google-re2", "pip install google-re2")
     if re2 is not None:
         return _compile_re2(re2, pattern, field)
+    compiled = _compile_re(pattern, field)  # raises for invalid syntax
     why = bounded_problem(pattern)
     if why is not None:
         raise _err(field, pattern, f"{why}, which can take minutes to match without google-re2",
                    "pip install google-re2 (linear-time matching) or simplify the pattern")
     return compiled
+
+
+def group_depth(pattern: str) -> int:
+    """How deeply the groups of ``pattern`` nest, read as text: escapes and character classes skipped."""
+    depth = deepest = i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif c == "[":  # a class runs to the first ']' that is not its first member
+            i += 2 if pattern[i + 1:i + 2] == "^" else 1
+            i += 1 if pattern[i:i + 1] == "]" else 0
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth = max(0, depth - 1)
+        i += 1
+    return deepest
+
+
+def _check_text(pattern: str, field: str) -> None:
+    """Refuse text no engine can take: a lone surrogate (not encodable), groups nested too deeply."""
+    try:
+        pattern.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _err(field, pattern, f"contains the lone UTF-16 surrogate {pattern[e.start]!r}, which is not text",
+                   "retype the pattern (a copy from a broken source)") from None
+    depth = group_depth(pattern)
+    if depth > MAX_GROUP_DEPTH:
+        raise _err(field, pattern, f"nests groups {depth} deep",
+                   f"use at most {MAX_GROUP_DEPTH} levels (module paths need only a few)")
+
+
+def _compile_re(pattern: str, field: str) -> Any:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise _err(field, pattern, f"is invalid ({e})", "fix the regular expression") from None
+    except RecursionError:  # the group depth cap keeps this away; any other deep construct lands here
+        raise _err(field, pattern, "is nested too deeply for Python's re parser",
+                   "simplify the pattern") from None
 
 
 def _compile_re2(re2: Any, pattern: str, field: str) -> Matcher:
@@ -88,8 +135,9 @@ def _compile_re2(re2: Any, pattern: str, field: str) -> Matcher:
         return re2.compile(pattern, options)
     except re2.error as e:
         reason = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise _err(field, pattern, f"cannot be matched in linear time ({reason})",
-                   "remove backreferences and lookaround (google-re2 matches everything else in linear time)") from None
+    _compile_re(pattern, field)  # invalid for re too: re's reason, in Python's terms
+    raise _err(field, pattern, f"cannot be matched in linear time ({reason})",
+               "remove backreferences and lookaround (google-re2 matches everything else in linear time)")
 
 
 def _parser() -> Any:

@@ -8,8 +8,8 @@ Every pack node derives from ``PrecisionNode``:
 
 - ``validate_inputs(**values)`` checks each value ComfyUI hands over against the node's own schema
   (``INPUT_TYPES``): FLOAT/INT through ``training.checks.number_problem`` with the declared min/max, COMBO
-  against its options, BOOLEAN, and the inputs named in ``FILE_NAME_INPUTS`` through
-  ``file_names.name_problem``.
+  against its options, BOOLEAN, STRING (text only: a lone UTF-16 surrogate is refused before it reaches an
+  encoder), and the inputs named in ``FILE_NAME_INPUTS`` through ``file_names.name_problem``.
   Then the node's ``check(values)`` runs the rules that need no tensors (regexes, combinations, files that
   must exist). A linked input is not known yet during validation: ComfyUI hands it over as None, or, to an
   input-list node, as the tuple ``(None,)`` (a literal value comes as ``[value]``); such values are skipped.
@@ -66,8 +66,21 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
     if kind == "STRING":
         if not isinstance(value, str):
             return f"is not text (got {type(value).__name__}); give a text value"
+        surrogate = _surrogate(value)
+        if surrogate is not None:
+            return surrogate
         if file_name is not None:
             return name_problem(value, subfolders=file_name[0], empty_ok=file_name[1])
+    return None
+
+
+def _surrogate(text: str) -> str | None:
+    """A lone UTF-16 surrogate (JSON's ``"\\ud800"``) is no character: no file, log or encoder takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"contains the lone UTF-16 surrogate {text[e.start]!r} at character {e.start}, which is not text "
+                "(a broken copy or client); retype the value")
     return None
 
 

@@ -4,9 +4,13 @@ Two kinds of name, two rule sets, one containment test:
 
 - ``name_problem``: a name the pack will *create* (``filename_prefix``, the train node's ``name`` and
   ``resume_from``), or a relative path under one of the pack's folders. Portable, so a graph made on one
-  system runs on another: no NUL or other control character (newlines included), no absolute path or drive,
-  no ``..``, no characters Windows refuses, and every part short enough to leave room for the counter and
-  suffix the pack appends (255-byte limit). Returns ``None`` or a phrase ``"<what is wrong>; <fix>"`` that
+  system runs on another and reads the same in every file list: text only (no lone UTF-16 surrogate), no
+  control character (C0 and C1: NUL, newlines, U+0085 ...), no invisible or direction-changing format
+  character (zero-width U+200B..U+200D, U+2060, U+FEFF, bidi controls U+202A..U+202E, U+2066..U+2069,
+  U+2028/U+2029), no absolute path or drive, no ``..`` or ``.`` part, no characters Windows refuses, no
+  Windows device name (CON, PRN, AUX, NUL, COM1-9, LPT1-9, any case, with or without an extension), no part
+  ending in a dot or space (Windows drops them), and every part short enough to leave room for the counter
+  and suffix the pack appends (255-byte limit). Returns ``None`` or a phrase ``"<what is wrong>; <fix>"`` that
   callers prefix with the node and input; it never raises, whatever the value's type, because it runs
   inside ComfyUI's validation, where a raised error would hide the message.
 - ``find_model_file``: the name of a safetensors file that *exists* in one of ComfyUI's model folders, as
@@ -27,6 +31,7 @@ import logging
 import ntpath
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,12 @@ MAX_NAME_PARTS = 16
 MAX_QUERY_NAME = 1024
 SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
 _WINDOWS_BAD = '<>:"|?*'
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Unicode categories no created name may hold: controls (C0 and C1), format characters (zero-width, bidi),
+# line and paragraph separators, surrogates.
+_REFUSED_CATEGORIES = {"Cc": "control", "Cf": "invisible formatting", "Zl": "line separator",
+                       "Zp": "paragraph separator", "Cs": "lone UTF-16 surrogate"}
+_WINDOWS_DEVICES = re.compile(r"(CON|PRN|AUX|NUL|COM[1-9\u00b9\u00b2\u00b3]|LPT[1-9\u00b9\u00b2\u00b3])(\..*)?",
+                              re.IGNORECASE)
 
 
 def _parts(name: str) -> list[str]:
@@ -64,6 +74,31 @@ def inside(root: str, path: str) -> bool:
 
 # ---- names the pack creates -----------------------------------------------------------------------------
 
+def _character_problem(value: str) -> str | None:
+    """The first character no file name should hold, described with its code point and fix, or None."""
+    for c in value:
+        kind = _REFUSED_CATEGORIES.get(unicodedata.category(c))
+        if kind is not None:
+            what = unicodedata.name(c, "") if kind != "lone UTF-16 surrogate" else ""
+            named = f"U+{ord(c):04X}{' ' + what if what else ''}"
+            return (f"contains the {kind} character {c!r} ({named}), which file names must not hold (newlines, "
+                    f"NUL, invisible and direction-changing characters); remove it or retype the name")
+    return None
+
+
+def _part_problem(part: str) -> str | None:
+    """Why one path part cannot be a file or folder name on every system, or None."""
+    if part and set(part) == {"."}:
+        return f"has the part {part!r}, which names a folder, not a file; give a name such as 'my_lora'"
+    if part.endswith((".", " ")):
+        return (f"has the part {part!r} ending in a dot or space, which Windows drops (another name on another "
+                "system); remove the trailing dot or space")
+    if _WINDOWS_DEVICES.fullmatch(part.strip()):
+        return (f"has the part {part!r}, a Windows device name (CON, PRN, AUX, NUL, COM1-9, LPT1-9) that no file "
+                "can have on Windows; use another name, e.g. add a letter")
+    return None
+
+
 def name_problem(value: object, *, subfolders: bool, empty_ok: bool = False) -> str | None:
     """Why ``value`` is not a safe file name (or relative path when ``subfolders``), or None.
 
@@ -72,10 +107,9 @@ def name_problem(value: object, *, subfolders: bool, empty_ok: bool = False) -> 
     example = "'my_lora' or 'sub/my_lora'" if subfolders else "'my_lora'"
     if not isinstance(value, str):
         return f"is not text (got {type(value).__name__}); give a name such as {example}"
-    control = _CONTROL.search(value)
-    if control:
-        return (f"contains the control character {control.group()!r} (newlines and NUL are not allowed in file "
-                f"names); remove it")
+    character = _character_problem(value)
+    if character:
+        return character
     norm = value.replace("\\", "/").strip()
     if not norm:
         return None if empty_ok else f"is empty; give a name such as {example}"
@@ -93,6 +127,9 @@ def name_problem(value: object, *, subfolders: bool, empty_ok: bool = False) -> 
         return f"ends with a folder separator and has no file name; give a name such as {example}"
     if len(parts) > MAX_NAME_PARTS:
         return f"has {len(parts)} folder levels; use at most {MAX_NAME_PARTS}"
+    part = next((p for p in map(_part_problem, _parts(value.replace("\\", "/").lstrip())) if p), None)
+    if part:
+        return part
     longest = max(len(p.encode("utf-8")) for p in parts)
     if longest > MAX_NAME_PART_BYTES:
         return (f"has a part of {longest} bytes; file names are limited to 255 bytes with the pack's counter and "

@@ -63,7 +63,8 @@ def collapse(errors: list[dict]) -> list[dict]:
         elif found[1] not in done:
             done.add(found[1])
             name = at_fault(found[1], copies[found[1]])
-            out.append({**error, "details": f"{name} - {found[1]}", "extra_info": {**error["extra_info"], "input_name": name}})
+            extra = {**error["extra_info"], "input_name": name}
+            out.append({**error, "details": f"{name} - {found[1]}", "extra_info": extra})
     return out
 
 

@@ -95,6 +95,11 @@ def test_every_combo_refuses_an_unknown_option(pack):
 @pytest.mark.parametrize("bad, why", [
     ("../../fuzz", "contains '..'"), ("/tmp/fuzz", "is an absolute path"), ("a\x00b", "control character '\\x00'"),
     ("a\nb", "control character '\\n'"), ("n" * 300, "has a part of 300 bytes"),
+    # issue 22 item 5
+    ("a\x85b", "control character '\\x85' (U+0085)"), ("a\u2028b", "(U+2028 LINE SEPARATOR)"),
+    ("a\u200bb", "(U+200B ZERO WIDTH SPACE)"), ("a\u202eb", "(U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("CON", "a Windows device name"), ("lpt3.txt", "a Windows device name"), ("run.", "ending in a dot or space"),
+    (".", "which names a folder"),
 ])
 def test_every_file_name_input_refuses_unsafe_names(pack, bad, why):
     checked = []
@@ -109,6 +114,23 @@ def test_every_file_name_input_refuses_unsafe_names(pack, bad, why):
     assert isinstance(message, str) and "PrecisionTrainLoRA: input 'resume_from'=" in message and why in message, message
     assert set(checked) >= {("PrecisionSaveLoRA", "filename_prefix"), ("PrecisionLossGraph", "filename_prefix"),
                             ("PrecisionTrainLoRA", "name")}
+
+
+def test_every_string_input_refuses_a_lone_surrogate_naming_node_input_value_and_fix(pack):
+    """Issue 22 item 4: a lone UTF-16 surrogate reached an encoder as "'utf-8' codec can't encode ..."."""
+    checked = []
+    for node in _gated_nodes():
+        for name, _entry in _inputs(node, {"STRING"}):
+            message = node.validate_inputs(**{name: _wrap(node, "ab\ud800")})
+            assert message == (f"[Precision LoRA] {node.NODE}: input '{name}'='ab\\ud800' contains the lone UTF-16 "
+                               "surrogate '\\ud800' at character 2, which is not text (a broken copy or client); "
+                               "retype the value"), message
+            with pytest.raises(ValueError) as err:  # a linked value: the gate again before the node runs
+                node.execute(**{name: _wrap(node, "ab\ud800")})
+            assert str(err.value) == message
+            checked.append((node.NODE, name))
+    assert {("PrecisionAttachLoRA", "include"), ("PrecisionAttachLoRA", "exclude"), ("PrecisionSaveLoRA", "filename_prefix"),
+            ("PrecisionTrainLoRA", "name"), ("PrecisionTrainLoRA", "resume_from")} <= set(checked), checked
 
 
 def test_comfyui_validation_refuses_nan_it_would_let_through(pack):

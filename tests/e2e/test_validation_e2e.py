@@ -186,3 +186,56 @@ def test_two_bad_values_give_two_errors_each_under_its_input_and_host_errors_sta
     assert kinds == [("custom_validation_failed", "max_upscale"), ("required_input_missing", "resolution")], buckets
     (save,) = node_errors(body, "5")
     assert save["extra_info"]["input_name"] == "filename_prefix" and "is an absolute path" in save["details"], save
+
+
+def _files(base: str) -> set[str]:
+    """Every file under the server's folders a prompt could write to (models, output, input, temp)."""
+    found = set()
+    for top in ("models", "output", "input", "temp"):
+        for folder, _dirs, files in os.walk(os.path.join(base, top)):
+            found.update(os.path.join(folder, f) for f in files)
+    return found
+
+
+REFUSED = [
+    # node of _train_prompt, input, value, what the message says after "<Node>: input '<input>'=<value> "
+    ("6", "name", "CON", "has the part 'CON', a Windows device name"),
+    ("6", "name", ".", "has the part '.', which names a folder, not a file"),
+    ("6", "name", "run\u202eftl", "contains the invisible formatting character '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("6", "name", "run\u200b", "contains the invisible formatting character '\\u200b' (U+200B ZERO WIDTH SPACE)"),
+    ("7", "filename_prefix", "sub/lora\x85", "contains the control character '\\x85' (U+0085)"),
+    ("7", "filename_prefix", "sub/lora\u2028", "contains the line separator character '\\u2028' (U+2028 LINE SEPARATOR)"),
+    ("7", "filename_prefix", "sub/lora.", "has the part 'lora.' ending in a dot or space"),
+    ("7", "filename_prefix", "aux.txt/lora", "has the part 'aux.txt', a Windows device name"),
+    ("7", "filename_prefix", "lora\ud800", "contains the lone UTF-16 surrogate '\\ud800' at character 4"),
+    ("3", "text", "sks\udfff", "contains the lone UTF-16 surrogate '\\udfff' at character 3"),
+    ("2", "include", "x\ud800", "contains the lone UTF-16 surrogate '\\ud800' at character 1"),
+]
+
+
+@pytest.mark.parametrize("node, name, bad, says", REFUSED, ids=[f"{c[1]}-{ascii(c[2])}" for c in REFUSED])
+def test_unsafe_names_and_broken_text_are_refused_at_validation_and_nothing_is_written(server, node, name, bad, says):
+    """Issue 22 items 4 and 5, through /prompt: refused naming node, input, value (escaped) and fix; no file."""
+    prompt = _train_prompt(3, 0, "refused_run", "refused/lora")
+    prompt[node]["inputs"][name] = bad
+    before = _files(server.base_dir)
+    status, body = post(server, prompt)
+    assert status == 400, body
+    (error,) = node_errors(body, node)
+    details = error["details"]
+    assert error["extra_info"]["input_name"] == name
+    assert f"[Precision LoRA] {prompt[node]['class_type']}: input '{name}'={ascii(bad)} {says}" in details, details
+    assert "; " in details.split(says, 1)[1] or "retype" in details  # the fix
+    assert _files(server.base_dir) == before
+
+
+def test_500_nested_groups_in_include_are_refused_without_a_recursion_error(server):
+    prompt = _train_prompt(3, 0, "nested_run", "nested/lora")
+    prompt["2"]["inputs"]["include"] = "(" * 500 + ")" * 500
+    status, body = post(server, prompt)
+    assert status == 400
+    (error,) = node_errors(body, "2")
+    assert error["extra_info"]["input_name"] == "include"
+    assert "PrecisionAttachLoRA: include regex '((((" in error["details"]
+    assert "nests groups 500 deep: use at most 100 levels" in error["details"], error
+    assert "recursion" not in json.dumps(body).lower()

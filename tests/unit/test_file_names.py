@@ -39,6 +39,47 @@ NAMES = [
     ("a:b", True, False, "is an absolute path"),  # drive-relative on Windows
     ("dir/", True, False, "has no file name"),
     (123, True, False, "is not text (got int)"),
+    # issue 22 item 5: what the portability rule missed
+    ("a\x85b", False, False, "control character '\\x85' (U+0085)"),  # C1 (NEXT LINE)
+    ("a\x9bb", True, False, "control character '\\x9b' (U+009B)"),
+    ("a\u2028b", False, False, "line separator character '\\u2028' (U+2028 LINE SEPARATOR)"),
+    ("a\u2029b", False, False, "paragraph separator character '\\u2029' (U+2029 PARAGRAPH SEPARATOR)"),
+    ("a\u200bb", False, False, "invisible formatting character '\\u200b' (U+200B ZERO WIDTH SPACE)"),
+    ("a\u200db", True, False, "(U+200D ZERO WIDTH JOINER)"),
+    ("\ufeffa", False, False, "(U+FEFF ZERO WIDTH NO-BREAK SPACE)"),
+    ("a\u2060b", False, False, "(U+2060 WORD JOINER)"),
+    ("evil\u202etxt.exe", False, False, "(U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("a\u202ab", False, False, "(U+202A LEFT-TO-RIGHT EMBEDDING)"),
+    ("a\u2066b", True, False, "(U+2066 LEFT-TO-RIGHT ISOLATE)"),
+    ("a\u2069b", True, False, "(U+2069 POP DIRECTIONAL ISOLATE)"),
+    ("a\ud800b", True, False, "lone UTF-16 surrogate character '\\ud800' (U+D800)"),
+    ("CON", False, False, "a Windows device name"),
+    ("con", False, False, "a Windows device name"),
+    ("Aux.txt", False, False, "a Windows device name"),
+    ("sub/nul", True, False, "has the part 'nul', a Windows device name"),
+    ("PRN/x", True, False, "has the part 'PRN', a Windows device name"),
+    ("COM1", False, False, "a Windows device name"),
+    ("com9.safetensors", False, False, "a Windows device name"),
+    ("LPT1", False, False, "a Windows device name"),
+    ("lpt9.x.y", False, False, "a Windows device name"),
+    ("COM\u00b9", False, False, "a Windows device name"),
+    ("name.", False, False, "has the part 'name.' ending in a dot or space"),
+    ("name ", False, False, "has the part 'name ' ending in a dot or space"),
+    ("sub./x", True, False, "has the part 'sub.' ending in a dot or space"),
+    ("sub /x", True, False, "has the part 'sub ' ending in a dot or space"),
+    (".", False, False, "has the part '.', which names a folder"),
+    ("sub/.", True, False, "has the part '.', which names a folder"),
+    ("./x", True, False, "has the part '.', which names a folder"),
+    ("...", False, False, "has the part '...', which names a folder"),
+    # accepted: names that only look like the refused ones
+    ("CONSOLE", False, False, None),
+    ("com10", False, False, None),
+    ("LPT", False, False, None),
+    ("my.lora", False, False, None),
+    ("sub/.hidden_lora", True, False, None),
+    ("naïve lora", False, False, None),
+    ("\u03b1\u03b2_\u65e5\u672c", False, False, None),  # Greek, CJK
+    ("  leading spaces", False, False, None),
 ]
 
 

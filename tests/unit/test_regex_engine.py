@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import re2  # noqa: F401  google-re2 is a required dependency (requirements.txt): its absence is a failure
 
 from lora import regex, targets
 
@@ -23,7 +24,6 @@ def without_re2(monkeypatch):
 
 def test_catastrophic_pattern_is_matched_in_linear_time_with_re2(monkeypatch):
     """D2: with google-re2 the pattern is accepted and matched; it simply matches no module."""
-    pytest.importorskip("re2", reason="google-re2 is in requirements.txt and scripts/test-requirements.txt")
     monkeypatch.delitem(regex._engine, "re2", raising=False)
     assert regex.engine() == "re2"
     start = time.perf_counter()
@@ -34,7 +34,6 @@ def test_catastrophic_pattern_is_matched_in_linear_time_with_re2(monkeypatch):
 
 
 def test_re2_refuses_what_it_cannot_match_in_linear_time_and_says_why():
-    pytest.importorskip("re2", reason="google-re2 is in requirements.txt and scripts/test-requirements.txt")
     with pytest.raises(ValueError) as err:
         regex.compile_user_regex(r"(a)\1", "include", use_re2=True)
     assert "include regex '(a)\\\\1' cannot be matched in linear time (invalid escape sequence: \\1)" in str(err.value)
@@ -68,3 +67,36 @@ def test_invalid_and_overlong_patterns_name_field_pattern_and_fix(use_re2):
     with pytest.raises(ValueError, match=r"include regex 'aaaa.*\.\.\.' is 5000 characters long: keep it under 1000"):
         regex.compile_user_regex("a" * 5000, "include", use_re2=use_re2)
     assert regex.compile_user_regex("   ", "include", use_re2=use_re2) is None
+
+
+@pytest.mark.parametrize("use_re2", [False, None])
+@pytest.mark.parametrize("pattern, depth", [("(" * 500 + ")" * 500, 500), ("(" * 101 + "a" + ")" * 101, 101)],
+                         ids=["500-deep", "101-deep"])
+def test_deeply_nested_groups_are_refused_with_the_depth_not_a_recursion_error(use_re2, pattern, depth):
+    """Issue 22 item 4: 500 nested groups (1000 characters, inside the length cap) raised RecursionError from
+    re's parser."""
+    with pytest.raises(ValueError, match=rf"include regex '\(\(\(.*\.\.\.' nests groups {depth} deep: use at most "
+                                         r"100 levels"):
+        regex.compile_user_regex(pattern, "include", use_re2=use_re2)
+    assert regex.compile_user_regex("(" * 100 + "a" + ")" * 100, "include", use_re2=use_re2).search("a")
+
+
+@pytest.mark.parametrize("pattern, depth", [(r"\(\(x", 0), ("[(]((x))", 2), ("[]()]", 0), ("[^](]", 0), ("(a(b)c)", 2)])
+def test_group_depth_skips_escapes_and_character_classes(pattern, depth):
+    assert regex.group_depth(pattern) == depth
+
+
+def test_patterns_re2_accepts_are_no_longer_refused_by_the_re_pre_check(monkeypatch):
+    """Issue 22 item 4: \\p{Greek} (RE2's Unicode classes) was refused because Python's re cannot parse it."""
+    monkeypatch.delitem(regex._engine, "re2", raising=False)
+    paths = {"blocks.0.attn": (4, 4), "blocks.0.\u03b1ttn": (4, 4)}  # a Greek alpha
+    assert set(targets.select_targets(paths, "flux1", "none", include=r"\p{Greek}")) == {"blocks.0.\u03b1ttn"}
+    with pytest.raises(ValueError, match=r"include regex '\\\\p\{Greek\}' is invalid \(bad escape \\p"):
+        regex.compile_user_regex(r"\p{Greek}", "include", use_re2=False)  # the fallback keeps re's syntax
+
+
+@pytest.mark.parametrize("use_re2", [False, None])
+def test_a_lone_surrogate_is_refused_as_not_text(use_re2):
+    with pytest.raises(ValueError, match=r"exclude regex 'a\\ud800' contains the lone UTF-16 surrogate '\\ud800', "
+                                         r"which is not text: retype the pattern"):
+        regex.compile_user_regex("a\ud800", "exclude", use_re2=use_re2)
