@@ -7,6 +7,7 @@ The node's ``execute`` is called as ComfyUI calls an ``is_input_list`` node, und
 from __future__ import annotations
 
 import re
+import uuid
 
 import pytest
 import torch
@@ -31,11 +32,11 @@ def _attach(mods, module_dropout: float, seed: int = 0):
     return with_lora, make_latent(model, 1, width=16, height=16), make_conditioning(model, 1)
 
 
-def _train(mods, model, latent, cond, steps: int, **kw):
+def _train(mods, model, latent, cond, steps: int, name: str = "dropout", **kw):
     args = {"settings": [mods.Settings(learning_rate=1e-3)]}
     args.update({k: [v] for k, v in kw.items()})
     with torch.inference_mode():
-        out = mods.train.PrecisionTrainLoRA.execute([model], [latent], [cond], [steps], [0], ["dropout"], **args)
+        out = mods.train.PrecisionTrainLoRA.execute([model], [latent], [cond], [steps], [0], [name], **args)
     return out.result[:4]
 
 
@@ -96,6 +97,22 @@ def test_chained_runs_with_module_dropout_equal_one_run(mods):
     assert torch.equal(ref_state.generator, b_state.generator)
     summary = mods.glue.get_lora_set(b_out).info["precision_lora_outcome"]
     assert f"{sum(flags[5:])} steps had every adapter dropped (module_dropout=0.5)" in summary, summary
+
+
+def test_resume_from_a_checkpoint_file_with_module_dropout_equals_one_run(mods):
+    model, latent, cond = _attach(mods, 0.5, seed=3)
+    settings = mods.Settings(learning_rate=1e-3, checkpoint_every=5)
+    name = f"dropout_resume_{uuid.uuid4().hex[:6]}"
+    ref_out, ref_state, ref_losses, _ = _train(mods, model, latent, cond, 10, name=name + "_ref", settings=settings)
+    _train(mods, model, latent, cond, 5, name=name, settings=settings)
+    out, state, losses, steps = _train(mods, model, latent, cond, 5, name=name + "_b", settings=settings,
+                                       resume_from=f"{name}/{name}_step000005.safetensors")
+    assert steps == 10 and losses == ref_losses
+    assert [p["dropped"] for p in state.history] == [p["dropped"] for p in ref_state.history]
+    assert sum(p["dropped"] for p in state.history[5:]) > 0
+    ref_w, w = _values(mods, ref_out), _values(mods, out)
+    assert all(torch.equal(ref_w[k], w[k]) for k in ref_w)
+    assert all(torch.equal(ref_state.extra_rng[k], state.extra_rng[k]) for k in ref_state.extra_rng)
 
 
 def test_gradient_checkpointing_with_every_adapter_dropped_skips_the_same_steps(mods):
