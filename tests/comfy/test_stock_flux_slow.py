@@ -32,6 +32,10 @@ def test_stock_detectable_flux1_loads_with_stock_and_precision_loaders(pack, tmp
         with torch.inference_mode():
             ours, info = node.execute(model_name="stock_flux1.safetensors", weight_dtype="fp32").args
         assert "attention heads: 24" in info and "head_dim: 128" in info
+        # the bug class this pack exists for: a loader that silently stores (or computes in) bf16
+        assert ours.model.get_dtype() == torch.float32 and ours.model.manual_cast_dtype is None
+        dtypes = {p.dtype for p in ours.model.diffusion_model.parameters()}
+        assert dtypes == {torch.float32}, f"PrecisionLoadDiffusionModel fp32 stored weights as {dtypes}"
         latent = make_latent(ours, width=32, height=32)["samples"]
         cond = make_conditioning(ours)
         sigma = torch.tensor([0.7])
@@ -39,9 +43,11 @@ def test_stock_detectable_flux1_loads_with_stock_and_precision_loaders(pack, tmp
         for model in (stock, ours):
             base = model.model
             with torch.no_grad():
-                outs.append(base.apply_model(latent, sigma, c_crossattn=cond[0][0],
-                                             y=cond[0][1]["pooled_output"], guidance=torch.tensor([3.5])).float())
+                out = base.apply_model(latent, sigma, c_crossattn=cond[0][0], y=cond[0][1]["pooled_output"],
+                                       guidance=torch.tensor([3.5]))
+            assert out.dtype == torch.float32
+            outs.append(out)
         assert torch.isfinite(outs[1]).all()
-        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)  # two fp32 loads of one file
     finally:
         os.remove(path)
