@@ -298,3 +298,21 @@ def test_progress_counts_every_item_and_an_interrupt_stops_between_items(enc, fo
     finally:
         comfy.model_management.interrupt_current_processing(False)
     assert enc.take() == (0, 0)
+
+
+def test_a_text_encoder_with_hooks_is_encoded_every_run_and_said_so(enc, folder):
+    """CLIP hook nodes make the text encoder's output depend on the step (scheduled hooks): such captions are
+    never cached; images still are."""
+    import comfy.hooks
+
+    clip = enc.clip.clone()
+    clip.patcher.forced_hooks = comfy.hooks.HookGroup()
+    counted = Counted(enc.vae, clip)
+    images = _images()
+    run(images, CAPTIONS, enc.vae, clip)
+    counted.take()
+    _, conds, report = run(images, CAPTIONS, enc.vae, clip)
+    assert counted.take() == (0, 2)
+    assert "the text encoder carries hooks (CLIP hook nodes); its outputs are encoded each run, not cached" in report
+    assert not os.path.exists(os.path.join(folder, "text"))
+    enc.take()  # the module's counter saw these images too (the same VAE)
