@@ -70,7 +70,8 @@ class ModelFns:
 
 @dataclass(frozen=True)
 class StepReport:
-    """Sent to ``Hooks.on_step`` after every optimizer step. ``loss`` is None when the step was skipped."""
+    """Sent to ``Hooks.on_step`` after every optimizer step. ``loss`` is None when the NaN guard skipped the
+    step; a step skipped because module_dropout dropped every adapter keeps its measured loss."""
 
     step: int          # optimizer steps done in the whole run (continues across chained nodes)
     local_step: int    # steps done by this call
@@ -277,8 +278,10 @@ class _Run:
         if outcome == "ok":
             self.guard.good()
             self.guard.maybe_snapshot(self.step, self.params, self.optimizer)
-        point = {"step": self.step, "loss": float(loss) if outcome == "ok" else None, "lr": lr, "sigma": sigma,
-                 "dop": float(dop) if dop_on and outcome == "ok" else None, "skipped": outcome != "ok",
+        # A step whose adapters were all dropped still measured its loss (under module dropout, like any step)
+        measured = outcome in ("ok", "dropped")
+        point = {"step": self.step, "loss": float(loss) if measured else None, "lr": lr, "sigma": sigma,
+                 "dop": float(dop) if dop_on and measured else None, "skipped": outcome != "ok",
                  "dropped": outcome == "dropped"}
         self.history.append(point)
         return point, outcome
