@@ -239,3 +239,54 @@ def test_500_nested_groups_in_include_are_refused_without_a_recursion_error(serv
     assert "PrecisionAttachLoRA: include regex '((((" in error["details"]
     assert "nests groups 500 deep: use at most 100 levels" in error["details"], error
     assert "recursion" not in json.dumps(body).lower()
+
+
+# ---- issue 22 item 8: the host's dataset loader and folders outside input/ (docs/workflows.md) ----------------
+
+def _host_version(server) -> tuple[int, ...]:
+    status, stats = server.get("/system_stats")
+    assert status == 200
+    return tuple(int(p) for p in stats["system"]["comfyui_version"].split(".")[:3])
+
+
+@pytest.fixture(scope="module")
+def outside_folder(comfy_server) -> str:
+    """A captioned image in a folder beside (not inside) the server's input/."""
+    folder = os.path.join(comfy_server.base_dir, "outside_input")
+    os.makedirs(folder, exist_ok=True)
+    Image.new("RGB", (32, 32), (0, 255, 0)).save(os.path.join(folder, "secret.png"))
+    with open(os.path.join(folder, "secret.txt"), "w") as f:
+        f.write("a caption outside input")
+    return folder
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_host_loader_outside_input_reads_on_0_3_75_and_is_refused_on_0_33(server, outside_folder, how):
+    """What docs/workflows.md says: ComfyUI 0.3.75's LoadImageTextDataSetFromFolder reads any folder the server
+    can (its V3 combo is not checked, the path is joined as given); 0.33 refuses. A host limit: the pack cannot
+    change that node."""
+    folder = "../outside_input" if how == "relative" else outside_folder
+    prompt = {"1": {"class_type": "LoadImageTextDataSetFromFolder", "inputs": {"folder": folder}},
+              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 1]}}}
+    if _host_version(server) >= (0, 33, 0):
+        status, body = post(server, prompt)
+        assert status == 400 and node_errors(body, "1")[0]["type"] == "value_not_in_list", body
+    else:
+        entry = server.run(prompt)
+        assert entry["outputs"]["2"]["text"] == ["a caption outside input"]
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_the_pack_loader_refuses_folders_outside_input_on_both_hosts(server, outside_folder, how):
+    """The guard the pack can give: Precision Load Image Dataset, a drop-in for the host's loader, refuses them."""
+    folder = "../outside_input" if how == "relative" else outside_folder
+    prompt = {"1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
+                  "folder": folder, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty"}},
+              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 1]}}}
+    status, body = post(server, prompt)
+    assert status == 400
+    (error,) = node_errors(body, "1")
+    assert error["extra_info"]["input_name"] == "folder"
+    details = error["details"]
+    assert f"PrecisionLoadImageDataset: input 'folder'={folder[:40]!r}"[:-1] in details, error  # long values shortened
+    assert " is not an option; choose one of [" in details, error
