@@ -1,0 +1,382 @@
+"""Every option of Train Settings, Train LoRA, Preview Settings and Loss Graph through a real server's /prompt,
+each with an assertion on what it must do to the run (lr curve, first timestep, loss, LoRA values, files).
+
+Most runs use the tiny Flux.1 schnell: its schedule maps the noise fraction u to sigma = u (flow, shift 1), so
+the sigma each train_step event reports is the sampler's own draw. On the first optimizer step the LoRA's up
+factor is zero, so only up gets a gradient g (the same g in every run with the same seed and data), which
+makes the first update of each optimizer a closed form: SGD (lr 1, no momentum) up = -g, AdamW
+up = -lr g / (|g| + eps), clipping rescales g to max_grad_norm, LoRA+ multiplies up's lr.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from PIL import Image
+
+from lora.file import save_lora_file
+
+from training.optim import available as optimizers
+from training.settings import TrainSettings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from options_lib import AREAS, MODEL_FILES, Graph, OptionsServer, coverage, out, unused_options  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+FAST = "flux1_schnell"
+ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
+              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
+              dry_run=False, init_lora="none")
+VAE = "precision_options_taesd.safetensors"
+
+
+@pytest.fixture(scope="module")
+def opts(tmp_path_factory):
+    server = OptionsServer.start(str(tmp_path_factory.mktemp("options_train")), ("flux1_schnell", "anima"))
+    yield server
+    server.stop()
+
+
+def train_graph(settings: dict | None = None, steps: int = 1, family: str = FAST, name: str = "opt",
+                batch: int = 1, **train) -> tuple[Graph, dict]:
+    """Load -> Attach -> (demo data) -> Settings -> Train -> Save; returns the graph and its node ids."""
+    g = Graph()
+    ids = {"model": g.add("PrecisionLoadDiffusionModel", model_name=MODEL_FILES[family], weight_dtype="fp32")}
+    ids["attach"] = g.add("PrecisionAttachLoRA", model=out(ids["model"]), **ATTACH)
+    ids["cond"] = g.add("PrecisionDemoConditioning", model=out(ids["model"]), text="sks", seed=0, tokens=8)
+    ids["latent"] = g.add("PrecisionDemoLatent", model=out(ids["model"]), width=32, height=32, batch_size=batch, seed=1)
+    values = TrainSettings(**{"learning_rate": 1e-2, **(settings or {})}).to_dict()
+    ids["settings"] = g.add("PrecisionTrainSettings", **values)
+    inputs = dict(model=out(ids["attach"]), latents=out(ids["latent"]), conditioning=out(ids["cond"]),
+                  settings=out(ids["settings"]), steps=steps, seed=0, name=name)
+    ids["train"] = g.add("PrecisionTrainLoRA", **{**inputs, **train})
+    ids["save"] = g.add("PrecisionSaveLoRA", model=out(ids["train"]), filename_prefix=f"options/{name}",
+                        folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
+    return g, ids
+
+
+def run_trainings(opts, graphs: dict) -> dict:
+    """{key: (tensors of the saved LoRA, train_step events)} for graphs built by train_graph."""
+    entries = opts.run_all({k: g for k, (g, _) in graphs.items()})
+    result = {}
+    for key, entry in entries.items():
+        ids = graphs[key][1]
+        _, tensors, _ = opts.saved_lora(entry, ids["save"])
+        result[key] = tensors, opts.steps(entry, ids["train"])
+    return result
+
+
+def ups(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if k.endswith("lora_up.weight")}
+
+
+def downs(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if k.endswith("lora_down.weight")}
+
+
+def assert_same(a: dict, b: dict, atol: float = 0.0, rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def differs(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def norm(tensors: dict) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def test_optimizers_first_step_in_closed_form(opts):
+    plain = dict(weight_decay=0.0, max_grad_norm=0.0)
+    runs = run_trainings(opts, {
+        "sgd": train_graph({**plain, "optimizer": "sgd", "learning_rate": 1.0, "beta1": 0.0}, name="o_sgd"),
+        "sgd_clip": train_graph({"optimizer": "sgd", "learning_rate": 0.5, "beta1": 0.0, "weight_decay": 0.0,
+                                 "max_grad_norm": 1e-3, "loraplus_ratio": 4.0}, name="o_sgd_clip"),
+        "adamw": train_graph({"max_grad_norm": 0.0, "weight_decay": 0.5}, name="o_adamw"),
+        "adamw_eps": train_graph({**plain, "eps": 1e-3, "loraplus_ratio": 3.0}, name="o_adamw_eps"),
+        "adafactor": train_graph({**plain, "optimizer": "adafactor"}, name="o_adafactor"),
+    })
+    sgd, _ = runs["sgd"]
+    g = {k: -v.double() for k, v in ups(sgd).items()}  # the first step's gradient of every up factor
+    assert norm(g) > 1e-2
+    down0 = downs(sgd)  # SGD without momentum or decay leaves the zero-gradient down factors as attached
+    # clipping to 1e-3 then lr 0.5 x LoRA+ 4: up = -2e-3 g / |g|
+    scale = 2e-3 / norm(g)
+    assert_same(ups(runs["sgd_clip"][0]), {k: (-scale * v).float() for k, v in g.items()}, atol=1e-10, rtol=2e-5)
+    assert_same(downs(runs["sgd_clip"][0]), down0)
+    for key, eps, ratio in (("adamw", 1e-8, 1.0), ("adamw_eps", 1e-3, 3.0)):
+        expect = {k: (-1e-2 * ratio * v / (v.abs() + eps)).float() for k, v in g.items()}
+        assert_same(ups(runs[key][0]), expect, atol=1e-10, rtol=2e-5)
+    # AdamW's decoupled decay: a zero-gradient factor shrinks by 1 - lr x weight_decay, and nothing else moves it
+    assert_same(downs(runs["adamw"][0]), {k: v * (1 - 1e-2 * 0.5) for k, v in down0.items()}, atol=1e-10, rtol=2e-6)
+    assert_same(downs(runs["adamw_eps"][0]), down0)
+    ada_ups = ups(runs["adafactor"][0])
+    assert all(torch.isfinite(v).all() for v in ada_ups.values()) and norm(ada_ups) > 0
+    assert differs(ada_ups, ups(runs["adamw"][0])) > 1e-4
+    for key, (_, steps) in runs.items():
+        assert len(steps) == 1 and math.isfinite(steps[0]["loss"]), (key, steps)
+
+
+def test_betas_change_only_later_steps(opts):
+    """Adam's bias-corrected first step does not depend on beta1/beta2; the second does."""
+    runs = run_trainings(opts, {
+        "base": train_graph({"max_grad_norm": 0.0}, steps=2, name="o_beta_base"),
+        "betas": train_graph({"max_grad_norm": 0.0, "beta1": 0.5, "beta2": 0.9}, steps=2, name="o_betas"),
+    })
+    (base, base_steps), (betas, beta_steps) = runs["base"], runs["betas"]
+    assert [s["loss"] for s in beta_steps] == [s["loss"] for s in base_steps]  # the same model at steps 1 and 2
+    assert differs(ups(betas), ups(base)) > 1e-5
+
+
+# lr multipliers of steps 0..3 (written out from each schedule's definition):
+#   constant_with_warmup, warmup 2: (s + 1) / 3 during warmup, then 1
+#   linear, warmup 1, schedule_steps 3: warmup 1/2, then 1 - (s - 1) / 2
+#   cosine, schedule_steps 4: (1 + cos(pi s / 4)) / 2
+#   cosine_with_restarts, 2 restarts in 4 steps: (1 + cos(pi ((2 s / 4) mod 1))) / 2
+SCHEDULES = {
+    "constant_with_warmup": (dict(warmup_steps=2), [1 / 3, 2 / 3, 1.0, 1.0]),
+    "linear": (dict(warmup_steps=1, schedule_steps=3), [0.5, 1.0, 0.5, 0.0]),
+    "cosine": (dict(schedule_steps=4), [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5,
+                                        0.5 - 0.5 * math.cos(math.pi / 4)]),
+    "cosine_with_restarts": (dict(schedule_steps=4, restarts=2), [1.0, 0.5, 1.0, 0.5]),
+}
+
+
+def test_lr_schedules_give_their_curves(opts):
+    runs = run_trainings(opts, {name: train_graph({"lr_schedule": name, **extra}, steps=4, name=f"o_{name}")
+                                for name, (extra, _) in SCHEDULES.items()})
+    for name, (_, curve) in SCHEDULES.items():
+        lrs = [s["lr"] for s in runs[name][1]]
+        assert lrs == pytest.approx([1e-2 * m for m in curve], rel=1e-9, abs=1e-15), name
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_timestep_samplers_draw_their_laws(opts):
+    """Same seed and data: the first step's sampler draw comes from the same generator state in every run."""
+    samplers = {
+        "logit_normal": {}, "uniform": {"timestep_sampling": "uniform"},
+        "ln_moved": {"logit_mean": 0.5, "logit_std": 2.0},
+        "sigmoid": {"timestep_sampling": "sigmoid", "sigmoid_scale": 2.0},
+        "shift": {"timestep_sampling": "shift", "shift": 2.5},
+        "content": {"timestep_sampling": "content"}, "style": {"timestep_sampling": "style"},
+        "balanced": {"timestep_sampling": "balanced"},
+    }
+    runs = run_trainings(opts, {k: train_graph(v, name=f"o_ts_{k}") for k, v in samplers.items()})
+    sigma = {k: runs[k][1][0]["sigma"] for k in samplers}
+    z, r = _logit(sigma["logit_normal"]), sigma["uniform"]
+    assert 0 < r < 1 and abs(z) > 1e-3
+    assert _logit(sigma["ln_moved"]) == pytest.approx(0.5 + 2.0 * z, abs=1e-4)
+    assert _logit(sigma["sigmoid"]) == pytest.approx(2.0 * z, abs=1e-4)
+    assert sigma["shift"] == pytest.approx(2.5 * r / (1 + 1.5 * r), abs=1e-6)
+    low = min(max(r ** 3, 1e-4), 1 - 1e-4)  # draws are kept in [1e-4, 1 - 1e-4] (sigma 0 or 1 would not train)
+    assert sigma["content"] == pytest.approx(low, abs=1e-6)
+    assert sigma["style"] == pytest.approx(1 - low, abs=1e-6)
+    assert min(abs(sigma["balanced"] - low), abs(sigma["balanced"] - (1 - low))) < 1e-6
+
+
+def _bell(u: float) -> float:
+    """exp(-(u - 1/2)^2 / (2 (1/4)^2)), divided by its integral over [0, 1] (numerically)."""
+    grid = torch.linspace(0, 1, 200001, dtype=torch.float64)
+    z = torch.trapezoid(torch.exp(-((grid - 0.5) ** 2) / (2 * 0.25 ** 2)), grid)
+    return math.exp(-((u - 0.5) ** 2) / (2 * 0.25 ** 2)) / float(z)
+
+
+def test_loss_weighting_and_targets(opts):
+    runs = run_trainings(opts, {
+        "auto": train_graph({}, name="o_t_auto"),
+        "bell": train_graph({"loss_weighting": "bell_shaped"}, name="o_t_bell"),
+        "velocity": train_graph({"target": "velocity"}, name="o_t_velocity"),
+        "noise": train_graph({"target": "noise"}, name="o_t_noise"),
+    })
+    (auto, auto_steps) = runs["auto"]
+    loss, sigma = auto_steps[0]["loss"], auto_steps[0]["sigma"]
+    assert runs["bell"][1][0]["loss"] == pytest.approx(loss * _bell(sigma), rel=1e-5)
+    assert runs["velocity"][1][0]["loss"] == loss  # a flow model's auto target is the velocity
+    assert_same(runs["velocity"][0], auto)
+    noise_loss = runs["noise"][1][0]["loss"]
+    assert math.isfinite(noise_loss) and abs(noise_loss - loss) > 1e-3 * loss
+    assert differs(ups(runs["noise"][0]), ups(auto)) > 1e-6
+
+
+def _with_class(graph_ids: tuple[Graph, dict]) -> tuple[Graph, dict]:
+    g, ids = graph_ids
+    ids["class"] = g.add("PrecisionDemoConditioning", model=out(ids["model"]), text="a photo", seed=0, tokens=8)
+    g.nodes[ids["train"]]["inputs"]["class_conditioning"] = out(ids["class"])
+    return g, ids
+
+
+def test_dop_changes_the_steps_it_runs_on(opts):
+    """DOP's term is zero on step 1 (the LoRA starts at zero); every_n 2 runs it on steps 1 and 3 only."""
+    runs = run_trainings(opts, {
+        "off": _with_class(train_graph({}, steps=3, name="o_dop_off")),
+        "every": _with_class(train_graph({"dop_multiplier": 5.0}, steps=3, name="o_dop_every")),
+        "second": _with_class(train_graph({"dop_multiplier": 5.0, "dop_every_n": 2}, steps=3, name="o_dop_2")),
+    })
+    off = [s["loss"] for s in runs["off"][1]]
+    every = [s["loss"] for s in runs["every"][1]]
+    second = [s["loss"] for s in runs["second"][1]]
+    assert every[:2] == off[:2] and abs(every[2] - off[2]) > 1e-7
+    assert second == off  # step 2 (no DOP) updated like the run without; step 3's DOP shows in the LoRA
+    assert differs(ups(runs["second"][0]), ups(runs["off"][0])) > 1e-7
+
+
+def test_batching_accumulation_checkpointing_and_nan_policy(opts):
+    runs = run_trainings(opts, {
+        "base": train_graph({}, steps=2, name="o_b_base", batch=2),
+        "gc": train_graph({"gradient_checkpointing": True}, steps=2, name="o_b_gc", batch=2),
+        "stop": train_graph({"nan_policy": "stop", "nan_patience": 2}, steps=2, name="o_b_stop", batch=2),
+        "batch": train_graph({"batch_size": 2}, steps=2, name="o_b_batch", batch=2),
+        "accum": train_graph({"grad_accum": 2}, steps=2, name="o_b_accum", batch=2),
+    })
+    base = runs["base"][0]
+    # recomputing the blocks in backward and a NaN policy that never fires leave the run as it was
+    assert_same(runs["gc"][0], base, atol=1e-7)
+    assert_same(runs["stop"][0], base)
+    for key in ("batch", "accum"):  # both samples in every step: another run, still finite
+        tensors, steps = runs[key]
+        assert len(steps) == 2 and all(math.isfinite(s["loss"]) for s in steps)
+        assert differs(ups(tensors), ups(base)) > 1e-6
+
+
+def _write_exploding_lora(opts) -> str:
+    """A LoRA on double block 0's attention output whose delta overflows fp32 (factors of 1e20)."""
+    name = "options_exploding.safetensors"
+    model = safetensors.torch.load_file(opts.path("models", "diffusion_models", MODEL_FILES[FAST]))
+    w = model["double_blocks.0.img_attn.proj.weight"]
+    prefix = "diffusion_model.double_blocks.0.img_attn.proj"
+    tensors = {prefix + ".lora_down.weight": torch.full((4, w.shape[1]), 1e20),
+               prefix + ".lora_up.weight": torch.full((w.shape[0], 4), 1e20), prefix + ".alpha": torch.tensor(4.0)}
+    save_lora_file(opts.path("models", "loras", name), tensors, {}, overwrite=True)
+    return name
+
+
+def test_nan_policies_stop_or_roll_back_a_diverged_run(opts):
+    """Every step of a LoRA that overflows is non-finite: 'stop' ends the run after nan_patience bad steps in
+    a row, 'rollback' restores the last good state after each nan_patience bad steps and goes on."""
+    init = _write_exploding_lora(opts)
+    messages, steps = {}, {}
+    for policy, patience, count in (("stop", 2, 4), ("rollback", 1, 3)):
+        g, ids = train_graph({"nan_policy": policy, "nan_patience": patience}, steps=count, name=f"o_nan_{policy}")
+        g.nodes[ids["attach"]]["inputs"]["init_lora"] = init
+        pid = opts.queue(g)
+        messages[policy] = opts.failure_of(pid)
+        steps[policy] = [s["loss"] for s in opts.steps(pid, ids["train"])]
+    assert steps == {"stop": [None, None], "rollback": [None, None, None]}, steps
+    assert "PrecisionTrainLoRA: the run failed (failed: 2 steps, 2 skipped, 0 rollbacks" in messages["stop"]
+    assert "PrecisionTrainLoRA: the run failed (failed: 3 steps, 3 skipped, 3 rollbacks" in messages["rollback"]
+
+
+def test_caption_dropout_trains_on_the_empty_caption(opts):
+    def dropped(p: float, name: str, empty_as_caption: bool = False):
+        g, ids = train_graph({"caption_dropout": p}, steps=2, name=name)
+        empty = g.add("PrecisionDemoConditioning", model=out(ids["model"]), text="", seed=0, tokens=8)
+        g.nodes[ids["train"]]["inputs"]["empty_conditioning"] = out(empty)
+        if empty_as_caption:
+            g.nodes[ids["train"]]["inputs"]["conditioning"] = out(empty)
+        return g, ids
+
+    runs = run_trainings(opts, {"always": dropped(1.0, "o_cd_always"), "never": dropped(0.0, "o_cd_never"),
+                                "empty": dropped(0.0, "o_cd_empty", empty_as_caption=True)})
+    assert_same(runs["always"][0], runs["empty"][0], atol=1e-7)
+    assert differs(ups(runs["always"][0]), ups(runs["never"][0])) > 1e-6
+
+
+def test_checkpoints_resume_and_chained_state_with_linked_widgets(opts):
+    """checkpoint_every writes step 2; resume_from it (steps, seed, name, resume_from linked from Primitive
+    nodes) and a chained node on training_state both end where one 3-step run ends."""
+    g, ids = train_graph({"checkpoint_every": 2}, steps=3, name="o_ckpt")
+    g.nodes[ids["train"]]["inputs"]["seed"] = 5
+    whole = opts.run(g)
+    _, whole_lora, _ = opts.saved_lora(whole, ids["save"])
+    folder = opts.path("models", "loras", "o_ckpt")
+    assert sorted(os.listdir(folder)) == ["o_ckpt_step000002.safetensors", "o_ckpt_step000002.trainstate"]
+
+    g, ids = train_graph({"checkpoint_every": 2}, steps=1, name="o_resumed")
+    train = g.nodes[ids["train"]]["inputs"]
+    train.update(steps=g.primitive(1), seed=g.primitive(5), name=g.primitive("o_resumed"),
+                 resume_from=g.primitive("o_ckpt/o_ckpt_step000002.safetensors"))
+    chained, chained_ids = train_graph({"checkpoint_every": 2}, steps=2, name="o_chain")
+    chained.nodes[chained_ids["train"]]["inputs"]["seed"] = 5
+    second = chained.add("PrecisionTrainLoRA", model=out(chained_ids["train"]), latents=out(chained_ids["latent"]),
+                         conditioning=out(chained_ids["cond"]), settings=out(chained_ids["settings"]),
+                         training_state=out(chained_ids["train"], 1), steps=1, seed=0, name="o_chain")
+    chained.nodes[chained_ids["save"]]["inputs"]["model"] = out(second)
+    entries = opts.run_all({"resumed": g, "chained": chained})
+    assert [s["step"] for s in opts.steps(entries["resumed"], ids["train"])] == [3]
+    for key, node in (("resumed", ids["save"]), ("chained", chained_ids["save"])):
+        assert_same(opts.saved_lora(entries[key], node)[1], whole_lora)
+
+
+def test_preview_settings_sample_at_the_chosen_steps(opts):
+    g, ids = train_graph({"learning_rate": 0.05}, steps=2, name="o_preview")
+    vae = g.add("VAELoader", vae_name=VAE)
+    negative = g.add("PrecisionDemoConditioning", model=out(ids["model"]), text="blurry", seed=0, tokens=8)
+    preview = g.add("PrecisionPreviewSettings", positive=out(ids["cond"]), negative=out(negative), vae=out(vae),
+                    sampler_name="heun", scheduler="karras", steps=2, cfg=2.0, width=32, height=48, batch_size=2,
+                    seed=5, every_n_steps=1, at_start=True, at_end=False)
+    g.nodes[ids["train"]]["inputs"]["preview"] = out(preview)
+    opts.run(g)
+    folder = opts.path("output", "precision_lora", "previews", "o_preview")
+    names = sorted(os.listdir(folder))
+    assert names == [f"o_preview_step{s}_{i}.png" for s in ("000000", "000001", "000002") for i in (0, 1)] or \
+        names == [f"o_preview_step{s}_{i}.png" for s in (0, 1, 2) for i in (0, 1)], names
+    images = [torch.tensor(list(Image.open(os.path.join(folder, n)).convert("RGB").getdata()), dtype=torch.float32)
+              for n in names]
+    assert all(Image.open(os.path.join(folder, n)).size == (32, 48) for n in names)
+    assert (images[0] - images[1]).abs().max() > 0  # two images of a batch: consecutive noise
+    assert (images[0] - images[4]).abs().max() > 0  # the same seed after two steps: training changed it
+
+
+def test_loss_graph_draws_and_writes_the_run(opts):
+    g, ids = train_graph({}, steps=3, name="o_loss")
+    graph = g.add("PrecisionLossGraph", loss=out(ids["train"], 2), smoothing=0.5, log_scale=True, width=200,
+                  height=120, filename_prefix="options/loss_curve")
+    entry = opts.run(g)
+    saved = entry["outputs"][graph]["images"][0]
+    png = opts.path("output", saved["subfolder"], saved["filename"])
+    assert saved["subfolder"] == "options" and Image.open(png).size == (200, 120)
+    with open(png[: -len(".png")] + ".csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [s["loss"] for s in opts.steps(entry, ids["train"])]
+    assert [float(r["loss"]) for r in rows] == pytest.approx(losses, rel=1e-6)
+    ema, expect = 0.0, []
+    for i, v in enumerate(losses):  # bias-corrected exponential average with factor 0.5
+        ema = 0.5 * ema + 0.5 * v
+        expect.append(ema / (1 - 0.5 ** (i + 1)))
+    assert [float(r["smoothed"]) for r in rows] == pytest.approx(expect, rel=1e-6)
+
+
+@pytest.mark.parametrize("family", ["flux1_dev", "flux2", "anima", "cosmos"])
+def test_each_family_trains_a_short_run(opts, family):
+    if not os.path.exists(opts.path("models", "diffusion_models", MODEL_FILES[family])):
+        pytest.skip("Anima does not exist in ComfyUI 0.3.75 (no comfy.ldm.anima): the pack trains it on 0.33+")
+    g, ids = train_graph({"learning_rate": 1e-2}, steps=2, family=family, name=f"o_family_{family}")
+    entry = opts.run(g)
+    _, tensors, metadata = opts.saved_lora(entry, ids["save"])
+    steps = opts.steps(entry, ids["train"])
+    assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
+    assert metadata["ss_base_model_version"].startswith(family.split("_")[0]), metadata["ss_base_model_version"]
+    assert metadata["ss_steps"] == "2" and norm(ups(tensors)) > 0
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+
+
+def test_every_train_option_went_through_the_server(opts):
+    """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and
+    every widget of the input-list node (Train LoRA) came through a link; every option of the pack's own
+    option lists was sent (but optimizers whose package this host does not have)."""
+    info = opts.server.object_info()
+    missing, unlinked = coverage(info, AREAS["train"], opts.sent)
+    assert (missing, unlinked) == ([], [])
+    cannot_run = {name for name, reason in optimizers().items() if reason is not None}
+    assert unused_options(info, AREAS["train"], opts.sent, cannot_run) == []
