@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import attention, gate_errors, housekeeping, load_model, lora, lora_routes, loss_graph, model_info, preview_node, probe, resolution, train, train_routes
+from . import dataset_cache
 from . import dataset
 from .comfy_io import ComfyExtension, io
 
@@ -10,6 +11,7 @@ from .comfy_io import ComfyExtension, io
 PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *preview_node.NODES, *loss_graph.NODES, *probe.NODES,
     *dataset.NODES,
+    *dataset_cache.NODES,
 ]
 # Each register() is idempotent: HTTP routes, the sweep of stale temporary files, and the middleware that
 # files each of the gate's messages once, under its input.
