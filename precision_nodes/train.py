@@ -266,7 +266,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         resume = values.get("resume_from") or ""
         if not resume.strip():
             return None
-        if values.get("training_state") is not None:
+        if "training_state" in values:  # connected: a link has no value yet while ComfyUI validates
             return (f"input 'resume_from'={resume!r} and input 'training_state' are both set; "
                     "clear resume_from or disconnect training_state")
         if not isinstance(resume, str):

@@ -290,3 +290,18 @@ def test_the_pack_loader_refuses_folders_outside_input_on_both_hosts(server, out
     details = error["details"]
     assert f"PrecisionLoadImageDataset: input 'folder'={folder[:40]!r}"[:-1] in details, error  # long values shortened
     assert " is not an option; choose one of [" in details, error
+
+
+def test_resume_from_with_a_linked_training_state_is_refused_at_validation_naming_both(server):
+    """A linked training_state has no value during validation; connected is enough for the rule."""
+    prompt = _train_prompt(3, 0, "both_set", "both_set/lora")
+    prompt["11"] = {"class_type": "PrecisionTrainLoRA", "inputs": {
+        **prompt["6"]["inputs"], "model": ["6", 0], "training_state": ["6", 1], "name": "both_set_2",
+        "resume_from": "both_set/both_set_step000003.safetensors"}}
+    prompt["7"]["inputs"]["model"] = ["11", 0]
+    status, body = post(server, prompt)
+    assert status == 400
+    (error,) = node_errors(body, "11")
+    assert error["extra_info"]["input_name"] == "resume_from"
+    assert ("PrecisionTrainLoRA: input 'resume_from'='both_set/both_set_step000003.safetensors' and input "
+            "'training_state' are both set; clear resume_from or disconnect training_state") in error["details"]
