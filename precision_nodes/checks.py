@@ -16,7 +16,8 @@ Every pack node derives from ``PrecisionNode``:
 - ``execute`` is wrapped (once, in ``__init_subclass__``) to run the same gate on the values it really
   receives, linked ones included, and raise ``ValueError`` before the node does anything.
 
-Messages read ``<Node>: input '<name>'=<value> <problem>; <fix>``.
+Messages read ``<Node>: input '<name>'=<value> <problem>; <fix>``. ComfyUI files the message of
+``validate_inputs`` under every input of the node; ``gate_errors`` keeps it once, under the input it names.
 """
 from __future__ import annotations
 

@@ -129,8 +129,9 @@ def test_every_string_input_refuses_a_lone_surrogate_naming_node_input_value_and
                 node.execute(**{name: _wrap(node, "ab\ud800")})
             assert str(err.value) == message
             checked.append((node.NODE, name))
-    assert {("PrecisionAttachLoRA", "include"), ("PrecisionAttachLoRA", "exclude"), ("PrecisionSaveLoRA", "filename_prefix"),
-            ("PrecisionTrainLoRA", "name"), ("PrecisionTrainLoRA", "resume_from")} <= set(checked), checked
+    assert {("PrecisionAttachLoRA", "include"), ("PrecisionAttachLoRA", "exclude"),
+            ("PrecisionSaveLoRA", "filename_prefix"), ("PrecisionTrainLoRA", "name"),
+            ("PrecisionTrainLoRA", "resume_from")} <= set(checked), checked
 
 
 def test_comfyui_validation_refuses_nan_it_would_let_through(pack):

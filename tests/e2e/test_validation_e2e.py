@@ -102,7 +102,8 @@ def _train_prompt(steps, seed, name, prefix: str) -> dict:
     return {
         "1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}},
         "2": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["1", 0], **ATTACH}},
-        "3": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["1", 0], "text": "sks", "seed": 0, "tokens": 8}},
+        "3": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["1", 0], "text": "sks", "seed": 0,
+                                                                    "tokens": 8}},
         "4": {"class_type": "PrecisionDemoLatent", "inputs": {"model": ["1", 0], "width": 32, "height": 32,
                                                               "batch_size": 1, "seed": 1}},
         "5": {"class_type": "PrecisionTrainSettings", "inputs": settings},
@@ -178,7 +179,8 @@ def test_two_bad_values_give_two_errors_each_under_its_input_and_host_errors_sta
     prompt["5"] = {"class_type": "PrecisionSaveLoRA", "inputs": {
         "model": ["6", 0], "filename_prefix": "/abs", "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
         "use_counter": True, "overwrite": False}}
-    prompt["6"] = {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}}
+    prompt["6"] = {"class_type": "PrecisionLoadDiffusionModel",
+                   "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}}
     status, body = post(server, prompt)
     assert status == 400
     buckets = node_errors(body, "2")
@@ -201,10 +203,12 @@ REFUSED = [
     # node of _train_prompt, input, value, what the message says after "<Node>: input '<input>'=<value> "
     ("6", "name", "CON", "has the part 'CON', a Windows device name"),
     ("6", "name", ".", "has the part '.', which names a folder, not a file"),
-    ("6", "name", "run\u202eftl", "contains the invisible formatting character '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)"),
+    ("6", "name", "run\u202eftl",
+     "contains the invisible formatting character '\\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)"),
     ("6", "name", "run\u200b", "contains the invisible formatting character '\\u200b' (U+200B ZERO WIDTH SPACE)"),
     ("7", "filename_prefix", "sub/lora\x85", "contains the control character '\\x85' (U+0085)"),
-    ("7", "filename_prefix", "sub/lora\u2028", "contains the line separator character '\\u2028' (U+2028 LINE SEPARATOR)"),
+    ("7", "filename_prefix", "sub/lora\u2028",
+     "contains the line separator character '\\u2028' (U+2028 LINE SEPARATOR)"),
     ("7", "filename_prefix", "sub/lora.", "has the part 'lora.' ending in a dot or space"),
     ("7", "filename_prefix", "aux.txt/lora", "has the part 'aux.txt', a Windows device name"),
     ("7", "filename_prefix", "lora\ud800", "contains the lone UTF-16 surrogate '\\ud800' at character 4"),
