@@ -183,22 +183,35 @@ def test_unknown_keys_and_other_families_are_refused_clearly(formats):
                             "transformer.nope.lora_A.weight": x}, linears(flux))
 
 
-def test_dora_file_is_refused_in_fp32_and_loads_in_merge(formats):
+def test_dora_file_is_refused_in_fp32_and_merges_as_stock_comfyui_does(formats):
+    """A DoRA file (magnitudes not 1, so the DoRA normalisation matters): refused in fp32 mode; in merge mode
+    the model samples as stock ComfyUI's LoraLoaderModelOnly makes it, and unlike the same file without its
+    magnitudes."""
     import folder_paths
+    import nodes as comfy_nodes
     from safetensors.torch import save_file
 
     flux = tiny_flux1()
     lin = linears(flux)
     n_in, n_out = lin["double_blocks.0.img_attn.proj"]
-    sd = {"diffusion_model.double_blocks.0.img_attn.proj.lora_A.weight": torch.randn(2, n_in),
-          "diffusion_model.double_blocks.0.img_attn.proj.lora_B.weight": torch.randn(n_out, 2),
-          "diffusion_model.double_blocks.0.img_attn.proj.dora_scale": torch.ones(n_out, 1)}
+    gen = torch.Generator().manual_seed(0)
+    key = "diffusion_model.double_blocks.0.img_attn.proj"
+    plain = {f"{key}.lora_A.weight": torch.randn(2, n_in, generator=gen),
+             f"{key}.lora_B.weight": torch.randn(n_out, 2, generator=gen) * 0.1}
+    sd = {**plain, f"{key}.dora_scale": 0.5 + torch.rand(n_out, 1, generator=gen)}
     folder = os.path.join(folder_paths.get_folder_paths("loras")[0], "formats")
     os.makedirs(folder, exist_ok=True)
     save_file(sd, os.path.join(folder, "dora.safetensors"))
+    save_file(plain, os.path.join(folder, "dora_without_magnitudes.safetensors"))
     load = node("PrecisionLoadLoRA").execute
     with pytest.raises(ValueError, match=r"'diffusion_model\.double_blocks\.0\.img_attn\.proj\.dora_scale' is a DoRA "
                                          r"magnitude tensor, .* mode 'merge'"):
         load(flux, "formats/dora.safetensors", mode="fp32", **LOAD_ARGS)
     merged = load(flux, "formats/dora.safetensors", mode="merge", **LOAD_ARGS).result[0]
     assert len(merged.patches) == 1
+    stock = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(flux, "formats/dora.safetensors", 1.0)[0]
+    ours = denoise(merged)
+    torch.testing.assert_close(ours, denoise(stock), rtol=1e-5, atol=1e-5)
+    without = load(flux, "formats/dora_without_magnitudes.safetensors", mode="merge", **LOAD_ARGS).result[0]
+    assert (ours - denoise(without)).abs().max() > 1e-3, "the DoRA magnitudes changed nothing"
+    assert (ours - denoise(flux)).abs().max() > 1e-3, "the DoRA file changed nothing"
