@@ -68,6 +68,13 @@ def test_real_training_then_inference_with_names_picked(server, real_files):
     # so neither is served from ComfyUI's cache of the other in one session).
     assert prompt[trainer]["inputs"]["steps"] == 1000
     steps = prompt[trainer]["inputs"]["steps"] = 11
+    # Also not names, so that the inference below can show the LoRA and its recorded scale at work: 11 steps at
+    # 100x the learning rate stand in for the shipped 1000 (at 1e-4 they move no pixel of the 8-bit image),
+    # and a non-default softmax scale is recorded (the shipped 1x would equal 'attention: ignore').
+    settings, patch = _of(prompt, "PrecisionTrainSettings"), _of(prompt, "PrecisionPatchAttention")
+    assert prompt[settings]["inputs"]["learning_rate"] == 1e-4 and prompt[patch]["inputs"]["scale_value"] == 1
+    prompt[settings]["inputs"]["learning_rate"] = 1e-2
+    prompt[patch]["inputs"]["scale_value"] = 0.8
     before = set(glob.glob(os.path.join(real_files, "models", "loras", "precision_lora", "my_lora_*.safetensors")))
     entry = server.run(prompt, timeout=900)
     assert entry["status"]["status_str"] == "success", entry["status"]
@@ -78,6 +85,7 @@ def test_real_training_then_inference_with_names_picked(server, real_files):
         md = f.metadata()
         ups = [f.get_tensor(k) for k in f.keys() if k.endswith("lora_up.weight")]
     assert md["ss_steps"] == str(steps) and md["ss_base_model_version"] == "flux1"
+    assert md["ss_attn_scale_mode"] == "multiplier" and float(md["ss_attn_scale_value"]) == 0.8
     assert ups and all(bool(u.abs().sum() > 0) for u in ups), "the LoRA did not train"
     # the learning curve covers every step of the run, all finite
     loss_csv = glob.glob(server.output_path("precision_lora", "my_lora_loss*.csv"))
@@ -89,7 +97,18 @@ def test_real_training_then_inference_with_names_picked(server, real_files):
     lora_name = "precision_lora/" + os.path.basename(saved[0])
     infer, edits = real_arch.swap_names(_load("inference_matching_scale.json"), lora_name=lora_name)
     assert len(edits) == 5, edits  # model, text encoder, VAE, LoRA; latent size
-    out = server.run(infer, timeout=600)
-    img = out["outputs"][_of(infer, "SaveImage")]["images"][0]
-    pixels = np.asarray(Image.open(server.output_path(img["subfolder"], img["filename"])))
+    pixels = _image(server, infer)
     assert pixels.shape == (64, 64, 3) and pixels.std() > 0
+    # controls: the LoRA's weights off (strength 0, recorded scale kept), the recorded scale off (LoRA kept)
+    loader = _of(infer, "PrecisionLoadLoRA")
+    for inputs, what in (({"strength": 0.0}, "the LoRA's weights"), ({"attention": "ignore"}, "its recorded scale")):
+        control = json.loads(json.dumps(infer))
+        control[loader]["inputs"].update(inputs)
+        control[_of(infer, "SaveImage")]["inputs"]["filename_prefix"] += "_control_" + "_".join(inputs)
+        assert not np.array_equal(_image(server, control), pixels), f"{what} changed nothing in the image"
+
+
+def _image(server, prompt: dict) -> np.ndarray:
+    out = server.run(prompt, timeout=600)
+    img = out["outputs"][_of(prompt, "SaveImage")]["images"][0]
+    return np.asarray(Image.open(server.output_path(img["subfolder"], img["filename"])))

@@ -133,6 +133,7 @@ def test_converter_catches_a_changed_widget_value_and_a_rewired_link(server):
 # ---- the twins run ------------------------------------------------------------------------------------
 
 TRAIN_SCALE_MULTIPLIER = 0.8  # not the default, so "the recorded scale is applied" is observable
+TRAIN_LR = 1e-2  # the demo's 1e-4 for 6 steps moves no pixel of the 8-bit image
 
 
 def _nodes_of(prompt: dict, class_type: str) -> list[str]:
@@ -141,10 +142,12 @@ def _nodes_of(prompt: dict, class_type: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(comfy_server):
-    """Runs the training twin (fewer steps, a non-default scale); returns (entry, prompt, lora path)."""
+    """Runs the training twin (fewer steps, a larger learning rate so that the LoRA visibly changes an image
+    in 6 steps, a non-default scale); returns (entry, prompt, lora path)."""
     prompt = _load(os.path.join(WF, "api", "train_lora_demo.json"))
     for nid in _nodes_of(prompt, "PrecisionTrainLoRA"):
         prompt[nid]["inputs"]["steps"] = 3
+    prompt[_nodes_of(prompt, "PrecisionTrainSettings")[0]]["inputs"]["learning_rate"] = TRAIN_LR
     att = _nodes_of(prompt, "PrecisionPatchAttention")[0]
     prompt[att]["inputs"]["scale_mode"] = "multiplier"
     prompt[att]["inputs"]["scale_value"] = TRAIN_SCALE_MULTIPLIER
@@ -182,30 +185,65 @@ def _saved_image(server, entry: dict, node_id: str) -> np.ndarray:
     return np.asarray(Image.open(server.output_path(img["subfolder"], img["filename"])))
 
 
+def _fresh_lora(server, trained) -> str:
+    """The file the training twin wrote, under a name this server session has never loaded: ComfyUI caches a
+    node's output by its inputs, so an earlier run on demo_lora (e.g. the browser tests') cannot stand in."""
+    fresh = f"precision_lora/e2e_{uuid.uuid4().hex}.safetensors"
+    shutil.copyfile(trained[2], os.path.join(server.base_dir, "models", "loras", *fresh.split("/")))
+    return fresh
+
+
+def _variant(prompt: dict, loader: str, save: str | None = None, **inputs) -> dict:
+    out = copy.deepcopy(prompt)
+    out[loader]["inputs"].update(inputs)
+    if save is not None:
+        out[save]["inputs"]["filename_prefix"] = "precision_lora/inference_" + "_".join(inputs)
+    return out
+
+
 def test_inference_twin_uses_the_trained_lora_and_its_scale(server, trained):
+    """Controls: strength 0 (the LoRA's weights off, its recorded scale still applied) and attention ignore
+    (the LoRA on, the recorded scale not applied); both together give the base model's image."""
     prompt = _load(os.path.join(WF, "api", "inference_demo.json"))
     save = _nodes_of(prompt, "SaveImage")[0]
     loader = _nodes_of(prompt, "PrecisionLoadLoRA")[0]
     assert prompt[loader]["inputs"]["lora_name"] == DEMO_LORA
-    # The file the training twin wrote, under a name this server session has never loaded: ComfyUI caches a
-    # node's output by its inputs, so an earlier run on demo_lora (e.g. the browser tests') cannot stand in.
-    fresh = f"precision_lora/e2e_{uuid.uuid4().hex}.safetensors"
-    shutil.copyfile(trained[2], os.path.join(server.base_dir, "models", "loras", *fresh.split("/")))
-    prompt[loader]["inputs"]["lora_name"] = fresh
+    prompt[loader]["inputs"]["lora_name"] = _fresh_lora(server, trained)
     with_lora = _saved_image(server, server.run(prompt), save)
     assert with_lora.shape == (64, 64, 3)
-    ignored = copy.deepcopy(prompt)
-    ignored[loader]["inputs"]["attention"] = "ignore"
-    ignored[save]["inputs"]["filename_prefix"] = "precision_lora/inference_ignore"
-    without_scale = _saved_image(server, server.run(ignored), save)
-    assert not np.array_equal(with_lora, without_scale), "the recorded softmax scale changed nothing"
+    images = {}
+    for name, inputs in {"strength 0": {"strength": 0.0}, "attention ignore": {"attention": "ignore"},
+                         "both off": {"strength": 0.0, "attention": "ignore"}}.items():
+        images[name] = _saved_image(server, server.run(_variant(prompt, loader, save, **inputs)), save)
+    assert not np.array_equal(with_lora, images["strength 0"]), "the LoRA's weights changed nothing"
+    assert not np.array_equal(with_lora, images["attention ignore"]), "the recorded softmax scale changed nothing"
+    assert not np.array_equal(images["strength 0"], images["both off"]), "the scale alone changed nothing"
+    base = copy.deepcopy(prompt)
+    base[_nodes_of(prompt, "KSampler")[0]]["inputs"]["model"] = prompt[loader]["inputs"]["model"]
+    base[save]["inputs"]["filename_prefix"] = "precision_lora/inference_base"
+    assert np.array_equal(_saved_image(server, server.run(base), save), images["both off"])
 
 
-def test_probe_twin_runs_on_the_trained_lora(server, trained):
-    prompt = _load(os.path.join(WF, "api", "precision_probe.json"))
+def _probe_text(server, prompt: dict) -> str:
     entry = server.run(prompt)
-    probe = _nodes_of(prompt, "PrecisionProbe")[0]
-    preview = _nodes_of(prompt, "PreviewImage")[0]
-    text = entry["outputs"][probe]["text"]
-    assert text and len("".join(text)) > 40, entry["outputs"][probe]
+    probe, preview = _nodes_of(prompt, "PrecisionProbe")[0], _nodes_of(prompt, "PreviewImage")[0]
     assert entry["outputs"][preview]["images"], entry["outputs"]
+    return "".join(entry["outputs"][probe]["text"])
+
+
+def test_probe_twin_reports_the_trained_lora_and_its_scale(server, trained):
+    """The report names the scale recorded in the LoRA and measures the LoRA's layers; with attention ignore it
+    reports the default scale, with strength 0 no delta to measure."""
+    prompt = _load(os.path.join(WF, "api", "precision_probe.json"))
+    loader = _nodes_of(prompt, "PrecisionLoadLoRA")[0]
+    prompt[loader]["inputs"]["lora_name"] = _fresh_lora(server, trained)
+    scale = TRAIN_SCALE_MULTIPLIER / math.sqrt(32)  # tiny Flux.1: head_dim 32
+    text = _probe_text(server, prompt)
+    assert f"scale {scale:.4g} ({TRAIN_SCALE_MULTIPLIER:g}x default)" in text, text
+    assert "LoRA delta survival" in text and "model (energy-weighted)" in text, text
+    assert "softmax scale is 0.8x the default" in text, text
+    ignored = _probe_text(server, _variant(prompt, loader, attention="ignore"))
+    assert f"scale {1 / math.sqrt(32):.4g} (1x default)" in ignored, ignored
+    assert "model (energy-weighted)" in ignored and "softmax scale is" not in ignored, ignored
+    off = _probe_text(server, _variant(prompt, loader, strength=0.0))
+    assert "model (energy-weighted)" not in off, off
