@@ -4,7 +4,7 @@
 // graph that queued it (lib/chart_owner.js): another graph with the same node id shows an empty chart.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { createOwners, eventKey, historyKey, seriesKey, workflowId } from "./lib/chart_owner.js";
+import { createOwners, eventKey, graphIdentity, historyKey, seriesKey } from "./lib/chart_owner.js";
 import { checkpointLine, showLine } from "./lib/checkpoint_line.js";
 import { addPanel, chain, panelDiv } from "./lib/hooks.js";
 import {
@@ -19,6 +19,7 @@ const MAX_DRAWN_POINTS = 400;
 const SMOOTHING = 0.9;
 const CHART_HEIGHT = 120;
 const LOG = "[Precision LoRA]";
+const TAB_POLL_MS = 250; // how often the chart checks which workflow tab is shown
 
 // Series by (graph id, prompt node id) (`seriesKey`). Kept outside the nodes so events that arrive before
 // a node exists (page reload, graph still loading) are not lost. Views live on the nodes
@@ -27,9 +28,9 @@ const LOG = "[Precision LoRA]";
 const seriesByKey = new Map();
 let owners = null; // the prompts this tab queued and their graphs (created in setup: needs sessionStorage)
 
-// The id of the graph shown now (the root graph when a subgraph is open).
+// The identity of the graph shown now: its workflow tab (lib/chart_owner.js graphIdentity).
 function currentGraphId() {
-  return (app.rootGraph ?? app.graph)?.id ?? null;
+  return graphIdentity(app);
 }
 
 function viewFor(nodeId) {
@@ -206,12 +207,11 @@ app.registerExtension({
   name: "precision_lora.train_chart",
   setup() {
     owners = createOwners(globalThis.sessionStorage ?? null);
-    // Remember which graph each prompt of this tab came from (queuePrompt(number, {output, workflow}) in
-    // both supported frontends; its answer carries the prompt_id).
+    // Remember which graph each prompt of this tab came from (queuePrompt's answer carries the prompt_id).
     const queuePrompt = api.queuePrompt;
     if (typeof queuePrompt === "function") {
       api.queuePrompt = async function (...args) {
-        const graph = workflowId(args[1]?.workflow) ?? currentGraphId();
+        const graph = currentGraphId(); // the tab queued from, not the file's id (shared by its copies)
         const answer = await queuePrompt.apply(this, args);
         owners.record(answer?.prompt_id, graph);
         return answer;
@@ -239,6 +239,18 @@ app.registerExtension({
       }
     });
     replayHistory();
+    // A graph's nodes are built before the frontend makes its tab the active workflow, so the first render of
+    // a newly loaded graph can use the previous tab's key, and the canvas is not redrawn by itself: when the
+    // tab shown changes, every chart is drawn again under the new tab's key.
+    let shownGraph = currentGraphId();
+    setInterval(() => {
+      const now = currentGraphId();
+      if (now === shownGraph) return;
+      shownGraph = now;
+      for (const node of (app.rootGraph ?? app.graph)?.nodes ?? []) {
+        if (node.precisionChart) renderView(node.precisionChart);
+      }
+    }, TAB_POLL_MS);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData?.name !== NODE_TYPE) return;
@@ -248,5 +260,6 @@ app.registerExtension({
     chain(nodeType.prototype, "onConfigure", function () {
       if (this.precisionChart) renderView(this.precisionChart); // the saved id is in now
     });
+
   },
 });

@@ -10,7 +10,7 @@
 // An image the server no longer has is dropped without a trace.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { createOwners } from "./lib/chart_owner.js";
+import { createOwners, graphIdentity } from "./lib/chart_owner.js";
 import { addPanel, findWidget, panelDiv } from "./lib/hooks.js";
 import { keepPreviews, remembered, rememberPreviews, rememberReport, viewQuery } from "./lib/run_memory.js";
 
@@ -40,7 +40,7 @@ function nodeById(id) {
 // one that queued the run (another graph may have a node with the same id; lib/chart_owner.js).
 function eventNode(nodeId, promptId) {
   const queuedFrom = createOwners(globalThis.sessionStorage ?? null).graphOf(promptId);
-  if (queuedFrom && queuedFrom !== rootGraph()?.id) return null;
+  if (queuedFrom && queuedFrom !== graphIdentity(app)) return null;
   const node = nodeById(nodeId);
   return isTrainNode(node) ? node : null;
 }

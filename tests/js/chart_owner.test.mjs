@@ -1,6 +1,6 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { createOwners, eventKey, historyKey, seriesKey, workflowId } from "../../web/lib/chart_owner.js";
+import { createOwners, eventKey, graphIdentity, historyKey, seriesKey, workflowId } from "../../web/lib/chart_owner.js";
 
 function memoryStorage() {
   const data = new Map();
@@ -60,5 +60,30 @@ test("workflowId reads the frontend's serialized graph id", () => {
   assert.equal(workflowId({ id: "6f1c", nodes: [] }), "6f1c");
   assert.equal(workflowId({ nodes: [] }), null);
   assert.equal(workflowId(null), null);
+  assert.equal(workflowId({ id: "00000000-0000-0000-0000-000000000000" }), null, "the nil id of API-format files");
   assert.equal(seriesKey(null, 3), "?|3");
+});
+
+const appWith = (path, graphId) => ({
+  extensionManager: path === undefined ? undefined : { workflow: { activeWorkflow: path === null ? null : { path } } },
+  graph: { id: graphId },
+});
+
+test("a graph is known by its workflow tab: two API files, or two tabs of one file, are two graphs", () => {
+  const nil = "00000000-0000-0000-0000-000000000000";
+  // two API-format files dropped: both graphs have the nil id, their tabs differ
+  assert.notEqual(graphIdentity(appWith("workflows/a_api.json", nil)), graphIdentity(appWith("workflows/b_api.json", nil)));
+  // a shipped file opened twice: one fixed graph id, two tabs ("name (2).json")
+  const fixed = "fa2af188-9f18-5894-bcef-d2fa28606376";
+  assert.notEqual(graphIdentity(appWith("workflows/train.json", fixed)), graphIdentity(appWith("workflows/train (2).json", fixed)));
+  assert.equal(graphIdentity(appWith("workflows/train.json", fixed)), "workflow:workflows/train.json");
+  // no workflow store (an older frontend): the graph's own id; the nil id identifies nothing
+  assert.equal(graphIdentity(appWith(undefined, fixed)), fixed);
+  assert.equal(graphIdentity(appWith(null, nil)), null);
+  assert.equal(graphIdentity(null), null);
+  // a run queued from tab A is drawn under A only
+  const owners = createOwners();
+  owners.record("p", graphIdentity(appWith("workflows/a_api.json", nil)));
+  assert.equal(historyKey(owners, history("p")), seriesKey("workflow:workflows/a_api.json", "7"));
+  assert.notEqual(historyKey(owners, history("p")), seriesKey(graphIdentity(appWith("workflows/b_api.json", nil)), "7"));
 });

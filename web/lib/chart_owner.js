@@ -8,10 +8,25 @@
 const KEY = "precision_lora.prompt_graphs";
 const MAX_PROMPTS = 64;
 
-/** The id of `workflow` (the frontend's serialized graph: `{ id: uuid, ... }`), or null. */
+const NIL_GRAPH = "00000000-0000-0000-0000-000000000000";
+
+/** The id of `workflow` (the frontend's serialized graph: `{ id: uuid, ... }`), or null (also for the nil
+ * id every API-format file gets when it is loaded). */
 export function workflowId(workflow) {
   const id = workflow?.id;
-  return typeof id === "string" && id ? id : null;
+  return typeof id === "string" && id && id !== NIL_GRAPH ? id : null;
+}
+
+/**
+ * The identity of the graph shown now in `app` (the ComfyUI app object): the path of the open workflow tab
+ * when the frontend has a workflow store (1.32 for ComfyUI 0.3.75, 1.49 for 0.33: each open tab has its own
+ * path, "name (2).json" for a second tab of the same file), else the graph's serialized id. The graph id alone
+ * is not enough: every API-format file loads with the nil id, and two tabs of one shipped file share its id.
+ */
+export function graphIdentity(app) {
+  const path = app?.extensionManager?.workflow?.activeWorkflow?.path;
+  if (typeof path === "string" && path) return `workflow:${path}`;
+  return workflowId(app?.rootGraph ?? app?.graph);
 }
 
 /** Key of a node's series: the same node id in two graphs gives two keys. */
