@@ -309,3 +309,13 @@ def test_resume_from_with_a_linked_training_state_is_refused_at_validation_namin
     assert error["extra_info"]["input_name"] == "resume_from"
     assert ("PrecisionTrainLoRA: input 'resume_from'='both_set/both_set_step000003.safetensors' and input "
             "'training_state' are both set; clear resume_from or disconnect training_state") in error["details"]
+
+
+def test_the_frontends_api_prompt_path_gets_one_error_too(server):
+    """The page queues through /api/prompt: the same single entry there."""
+    prompt = _train_prompt(3, 0, "api_path", "api_path/lora")
+    prompt["5"]["inputs"]["weight_decay"] = float("nan")
+    status, body = server.request("/api/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+    assert status == 400
+    (error,) = node_errors(body, "5")
+    assert error["extra_info"]["input_name"] == "weight_decay", error
