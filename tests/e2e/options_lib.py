@@ -30,8 +30,11 @@ AREAS = {
     "train": ("PrecisionTrainSettings", "PrecisionTrainLoRA", "PrecisionLossGraph", "PrecisionPreviewSettings"),
     "lora": ("PrecisionLoadDiffusionModel", "PrecisionAttachLoRA", "PrecisionSaveLoRA", "PrecisionLoadLoRA"),
     "attention": ("PrecisionPatchAttention", "PrecisionProbe", "PrecisionResolutionBuckets",
-                  "PrecisionDemoConditioning", "PrecisionDemoLatent", "PrecisionDemoPreview"),
+                  "PrecisionLoadImageDataset", "PrecisionDemoConditioning", "PrecisionDemoLatent",
+                  "PrecisionDemoPreview"),
 }
+# Pack nodes these modules leave to another server test (that test sends them through /prompt).
+COVERED_ELSEWHERE = {"PrecisionCachedTrainingDataset": "tests/e2e/test_dataset_cache_e2e.py (real-size CLIP-L and VAE)"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 PRIMITIVES = {"INT": "PrimitiveInt", "FLOAT": "PrimitiveFloat", "STRING": "PrimitiveString",
               "BOOLEAN": "PrimitiveBoolean"}
@@ -230,8 +233,10 @@ def coverage(info: dict, nodes: tuple[str, ...], prompts: list[dict]) -> tuple[l
     return missing, unlinked
 
 
-# Option lists that are not the pack's own: files in a models folder, and ComfyUI's samplers and schedulers.
-NOT_OURS = {"model_name", "lora_name", "init_lora", "sampler_name", "scheduler"}
+# Option lists that are not the pack's own: files or folders on disk, and ComfyUI's samplers and schedulers.
+NOT_OURS = {"PrecisionLoadDiffusionModel.model_name", "PrecisionLoadLoRA.lora_name", "PrecisionAttachLoRA.init_lora",
+            "PrecisionPreviewSettings.sampler_name", "PrecisionPreviewSettings.scheduler",
+            "PrecisionLoadImageDataset.folder"}
 
 
 def unused_options(info: dict, nodes: tuple[str, ...], prompts: list[dict], cannot_run: set[str]) -> list[str]:
@@ -240,7 +245,7 @@ def unused_options(info: dict, nodes: tuple[str, ...], prompts: list[dict], cann
     unused = []
     for node in nodes:
         for name, (kind, opts) in input_specs(info[node]).items():
-            if kind != "COMBO" or name in NOT_OURS:
+            if kind != "COMBO" or f"{node}.{name}" in NOT_OURS:
                 continue
             sent = {p_node["inputs"].get(name) for prompt in prompts for p_node in prompt.values()
                     if p_node["class_type"] == node}

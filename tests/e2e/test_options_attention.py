@@ -17,8 +17,8 @@ from PIL import Image
 from attention.backends import available as attention_backends
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from options_lib import (AREAS, MODEL_FILES, Graph, OptionsServer, coverage, out, pack_nodes,  # noqa: E402
-                         unused_options)
+from options_lib import (AREAS, COVERED_ELSEWHERE, MODEL_FILES, Graph, OptionsServer, coverage, out,  # noqa: E402
+                         pack_nodes, unused_options)
 
 pytestmark = pytest.mark.e2e
 
@@ -32,12 +32,24 @@ DATA = "options_buckets"
 IMAGES = {"wide": (100, 60, (200, 30, 30)), "tall": (60, 100, (30, 200, 30)), "square": (80, 80, (30, 30, 200))}
 
 
+MIXED = "options_mixed"  # a transparent PNG, an animated GIF (red, then blue), an image without caption
+
+
 def _write_images(base: str) -> None:
     folder = os.path.join(base, "input", DATA)
     os.makedirs(folder, exist_ok=True)
     for name, (w, h, colour) in IMAGES.items():
         Image.new("RGB", (w, h), colour).save(os.path.join(folder, f"{name}.png"))
         with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+            f.write(name)
+    mixed = os.path.join(base, "input", MIXED)
+    os.makedirs(mixed, exist_ok=True)
+    Image.new("RGBA", (16, 16), (255, 0, 0, 0)).save(os.path.join(mixed, "c_clear.png"))
+    frames = [Image.new("RGB", (16, 16), c) for c in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(os.path.join(mixed, "a_anim.gif"), save_all=True, append_images=frames[1:], duration=100, loop=0)
+    Image.new("RGB", (16, 16), (0, 255, 0)).save(os.path.join(mixed, "b_nocap.png"))
+    for name in ("a_anim", "c_clear"):
+        with open(os.path.join(mixed, f"{name}.txt"), "w") as f:
             f.write(name)
 
 
@@ -166,6 +178,35 @@ def test_resolution_buckets_through_the_loader_with_linked_widgets(opts):
     assert "PrecisionResolutionBuckets" in message and "max_upscale 1.1" in message
 
 
+def _dataset(g: Graph, **change) -> dict:
+    inputs = {"folder": MIXED, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty", **change}
+    data = g.add("PrecisionLoadImageDataset", **inputs)
+    return {"save": g.add("SaveImage", images=out(data, 0), filename_prefix="options/dataset"),
+            "texts": g.add("PreviewAny", source=out(data, 1)), "report": g.add("PreviewAny", source=out(data, 2))}
+
+
+def test_load_image_dataset_alpha_animation_and_missing_captions(opts):
+    graphs = {alpha: Graph() for alpha in ("black", "gray")}
+    ids = {alpha: _dataset(g, alpha=alpha) for alpha, g in graphs.items()}
+    entries = opts.run_all(graphs)
+    for alpha, level in (("black", 0), ("gray", 128)):
+        images = entries[alpha]["outputs"][ids[alpha]["save"]]["images"]
+        pixels = [Image.open(opts.path("output", i["subfolder"], i["filename"])).convert("RGB").getpixel((8, 8))
+                  for i in images]
+        # name order: the GIF's first frame, the image without caption, the transparent one on the background
+        assert pixels[:2] == [(255, 0, 0), (0, 255, 0)] and abs(pixels[2][0] - level) <= 1 and \
+            pixels[2][0] == pixels[2][1] == pixels[2][2], (alpha, pixels)
+        assert entries[alpha]["outputs"][ids[alpha]["texts"]]["text"] == ["a_anim", "", "c_clear"]
+    refused = {}
+    for key, change in {"c_clear.png": {"alpha": "refuse"}, "a_anim.gif": {"animated": "refuse"},
+                        "b_nocap.png": {"missing_caption": "refuse"}}.items():
+        g = Graph()
+        _dataset(g, **change)
+        refused[key] = opts.failure(g)
+    for name, message in refused.items():
+        assert "PrecisionLoadImageDataset" in message and name in message, (name, message)
+
+
 def test_demo_nodes_shape_their_outputs(opts):
     g = Graph()
     loader = g.add("PrecisionLoadDiffusionModel", model_name=FLUX, weight_dtype="fp32")
@@ -185,9 +226,11 @@ def test_demo_nodes_shape_their_outputs(opts):
 
 
 def test_the_areas_cover_every_pack_node(opts):
-    """The option modules split the pack's nodes between them: together they cover all the server lists."""
+    """The option modules split the pack's nodes between them: together (with the nodes another server test
+    sends, COVERED_ELSEWHERE) they cover all the server lists, so a new node needs a case."""
     listed = set(pack_nodes(opts.server.object_info()))
-    assert len(listed) >= 14 and listed == {n for nodes in AREAS.values() for n in nodes}
+    covered = {n for nodes in AREAS.values() for n in nodes}
+    assert len(listed) >= 14 and listed == covered | set(COVERED_ELSEWHERE) and not covered & set(COVERED_ELSEWHERE)
 
 
 def test_every_attention_option_went_through_the_server(opts):
