@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import shutil
+import uuid
 
 import pytest
 import torch
@@ -42,6 +43,11 @@ def _run(mods, model, latent, cond, steps: int, settings=None, name: str = "test
     return out.result[:4]  # the fifth output (preview images) is tested in test_train_preview.py
 
 
+def _unique(prefix: str) -> str:
+    """A run name no other test uses: tests that look into a run's folder must not see another test's files."""
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
 def run_folder(name: str) -> str:
     """Where a run's checkpoints land: models/loras/<name>/ (issue 14 item 8)."""
     import folder_paths
@@ -71,23 +77,23 @@ def test_resume_from_checkpoint_file_continues_identical_losses(mods):
     _, m, latent, cond = _setup(mods, "flux1")
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 8)
     settings = mods.Settings(learning_rate=1e-3, checkpoint_every=4)
-    _run(mods, m, latent, cond, 4, settings=settings)
+    run = _unique("resume")
+    _run(mods, m, latent, cond, 4, settings=settings, name=run)
     job = mods.jobs.current_job()
     assert job.step == 4
-    names = sorted(n for n in os.listdir(run_folder("test")) if n.startswith("test_step000004"))
-    newest = [n for n in names if n.endswith(".safetensors")][-1]
-    stem = newest[: -len(".safetensors")]
-    assert stem + ".trainstate" in names, "the training state sits beside the LoRA"
-    assert not [n for n in names if n.endswith(".state.pt")], "the old suffix is never written"
-    new_model, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{newest}")
+    stem = f"{run}_step000004"
+    names = sorted(os.listdir(run_folder(run)))
+    assert names == [stem + ".safetensors", stem + ".trainstate"], names  # the state beside the LoRA, no .state.pt
+    newest = stem + ".safetensors"
+    new_model, state, losses, steps = _run(mods, m, latent, cond, 4, resume_from=f"{run}/{newest}")
     assert steps == 8
     assert losses["loss"] == ref_losses["loss"]
     # A checkpoint written by an earlier version: the same LoRA with its state named <stem>.state.pt.
-    folder, old = run_folder("test"), "old_suffix_step000004"
+    folder, old = run_folder(run), "old_suffix_step000004"
     shutil.copy(os.path.join(folder, newest), os.path.join(folder, old + ".safetensors"))
     shutil.copy(os.path.join(folder, stem + ".trainstate"), os.path.join(folder, old + ".state.pt"))
     try:
-        old_model, old_state, old_losses, old_steps = _run(mods, m, latent, cond, 4, resume_from=f"test/{old}.safetensors")
+        old_model, old_state, old_losses, old_steps = _run(mods, m, latent, cond, 4, resume_from=f"{run}/{old}.safetensors")
     finally:
         for suffix in (".safetensors", ".state.pt"):
             os.remove(os.path.join(folder, old + suffix))
@@ -106,8 +112,9 @@ def test_checkpoint_is_listed_by_lora_loaders_loads_in_stock_comfyui_and_old_sta
 
     _, m, latent, cond = _setup(mods, "flux1")
     _, _, ref_losses, _ = _run(mods, m, latent, cond, 6)
-    trained, _, _, _ = _run(mods, m, latent, cond, 3, name="listed", settings=mods.Settings(learning_rate=1e-3, checkpoint_every=3))
-    listed = [n for n in folder_paths.get_filename_list("loras") if n.startswith("listed/listed_step000003")]
+    run = _unique("listed")
+    trained, _, _, _ = _run(mods, m, latent, cond, 3, name=run, settings=mods.Settings(learning_rate=1e-3, checkpoint_every=3))
+    listed = [n for n in folder_paths.get_filename_list("loras") if n.startswith(f"{run}/{run}_step000003")]
     # ComfyUI lists every file with a model extension (.pt among them): only the LoRA, never its state.
     assert listed and all(n.endswith(".safetensors") for n in listed), listed
     lora = listed[-1]
@@ -172,28 +179,49 @@ def test_injected_nan_is_caught_and_nothing_non_finite_is_saved(mods):
     handle = block.register_forward_hook(blow_up)
     try:
         settings = mods.Settings(learning_rate=1e-3, nan_patience=3, checkpoint_every=1)
-        out, state, losses, steps = _run(mods, m, latent, cond, 7, settings=settings)
+        run = _unique("nan")
+        out, state, losses, steps = _run(mods, m, latent, cond, 7, settings=settings, name=run)
     finally:
         handle.remove()
     assert [p["step"] for p in state.history if p["skipped"]] == [3, 4, 5]
     assert state.rollbacks == 1 and steps == 7 and len(losses["loss"]) == 4
-    folder = run_folder("test")
+    folder = run_folder(run)
     states = [n for n in os.listdir(folder) if n.endswith(".trainstate")]
-    assert states
+    assert states  # this run's own checkpoints (every step it kept)
     for name in states:
         saved = mods.ckpt.load_state(os.path.join(folder, name))
         assert all(torch.isfinite(v).all() for v in saved.lora.values()), name
     assert all(torch.isfinite(v).all() for v in _lora_values(out, mods).values())
 
 
-def test_dop_term_is_zero_at_init_and_positive_after_training(mods):
+def _sample(model, cond, seed: int = 3) -> torch.Tensor:
+    """One euler step of ComfyUI's sampler on ``cond`` (object patches applied), as KSampler runs."""
+    import comfy.sample
+
+    latent = make_latent(model, 1, width=32, height=32, seed=seed)["samples"]
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():
+        return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, latent, disable_pbar=True,
+                                   seed=seed)
+
+
+def test_dop_changes_the_update_and_keeps_the_class_prediction_near_the_base(mods):
+    """The same run with and without DOP (class conditioning given to both): the logged DOP term is 0 at init
+    (the LoRA is the identity) and positive after; DOP changes the LoRA it trains, and the trained model's
+    prediction on the class prompt stays closer to the base model's than without DOP."""
     model, m, latent, cond = _setup(mods, "cosmos")
     class_cond = make_conditioning(model, 1, text="a photo of a person")
-    settings = mods.Settings(learning_rate=3e-3, dop_multiplier=1.0)
-    _, state, _, _ = _run(mods, m, latent, cond, 6, settings=settings, class_conditioning=class_cond)
-    dops = [p["dop"] for p in state.history]
-    assert dops[0] == 0.0
-    assert dops[-1] > 0.0
+    runs = {}
+    for dop in (0.0, 4.0):
+        settings = mods.Settings(learning_rate=3e-3, dop_multiplier=dop)
+        runs[dop] = _run(mods, m, latent, cond, 6, settings=settings, class_conditioning=class_cond)
+    dops = [p["dop"] for p in runs[4.0][1].history]
+    assert dops[0] == 0.0 and dops[-1] > 0.0
+    plain, with_dop = _lora_values(runs[0.0][0], mods), _lora_values(runs[4.0][0], mods)
+    assert any(not torch.equal(plain[k], with_dop[k]) for k in plain), "DOP did not change the update"
+    base = _sample(model, class_cond)
+    drift = {dop: float((_sample(out, class_cond) - base).pow(2).mean()) for dop, (out, *_rest) in runs.items()}
+    assert drift[0.0] > 0 and drift[4.0] < 0.5 * drift[0.0], drift  # seeded: 0.06 vs 1.59
 
 
 def test_base_weights_bit_identical_and_forwards_restored(mods):
@@ -230,14 +258,15 @@ def test_checkpoint_now_and_stop_requests_address_the_running_job(mods):
                 mods.jobs.current_job().request("stop")
 
     server.send_sync = control
+    run = _unique("stop")
     try:
-        _, state, losses, steps = _run(mods, m, latent, cond, 10)
+        _, state, losses, steps = _run(mods, m, latent, cond, 10, name=run)
     finally:
         server.send_sync = original
     done = [d for e, d, _ in server.events if e == "precision_lora.train_done"][-1]
     assert steps == 4 and len(losses["loss"]) == 4 and done["stopped"] is True
-    names = [n for n in os.listdir(run_folder("test")) if n.startswith("test_step00000") and n.endswith(".trainstate")]
-    assert {"test_step000002.trainstate", "test_step000004.trainstate"} <= set(names)
+    names = {n for n in os.listdir(run_folder(run)) if n.endswith(".trainstate")}
+    assert names == {f"{run}_step000002.trainstate", f"{run}_step000004.trainstate"}  # requested, then at the stop
     job = mods.jobs.current_job()
     assert job.running is False and [p["step"] for p in job.snapshot()["points"]] == [1, 2, 3, 4]
 
