@@ -81,7 +81,8 @@ def _lora(base: str, tag: str) -> dict[str, torch.Tensor]:
 
 
 def _state(base: str, tag: str) -> dict:
-    return torch.load(os.path.join(base, "output", "precision_lora", "checkpoints",
+    # Save LoRA's training state, beside its LoRA
+    return torch.load(os.path.join(base, "models", "loras", "precision_lora",
                                    f"e2e_runner_{tag}_PrecisionSaveLoRA.trainstate"), weights_only=True)
 
 
