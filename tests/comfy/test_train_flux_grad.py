@@ -189,17 +189,31 @@ def test_builtin_style_checkpointing_does_not_give_the_reference(mods):
     assert _dot(wrong, direction) != pytest.approx(reference, rel=1e-3)
 
 
-def test_trainer_wraps_flux_forward_in_the_fix(mods):
-    """model_fns(...).predict on Flux runs apply_model under clone_saved_tensors (else backward raises)."""
+def test_trainer_predict_gradients_match_forward_mode_derivatives(mods):
+    """model_fns(...).predict on Flux (the trainer's own forward, under clone_saved_tensors, else backward
+    raises): its reverse-mode gradients, projected on two random directions, equal forward-mode derivatives of
+    the same predict in float64."""
     model, params, _ = _problem(mods, "flux1")
+    dm = model.model.diffusion_model
+    names = [n for n, p in dm.named_parameters() if n.startswith(TRAINED)]
     fns = mods.tglue.model_fns(model, None, mods.Settings(), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
     with mods.autograd():
-        x = torch.randn(1, 16, 4, 4, dtype=torch.float64)
+        x = torch.randn(1, 16, 4, 4, dtype=torch.float64, generator=gen)
+        weight = torch.randn(x.shape, dtype=torch.float64, generator=gen)
         sigma = torch.tensor([0.5], dtype=torch.float64)
         from models import make_conditioning as mc
         sample = mods.tdata.build_samples(model, [{"samples": x}], [mc(model, 1)], None, torch.device("cpu"))[0]
-        grads = _autograd(params, lambda: fns.predict(x, sigma, fns.collate([sample.cond])).sum())
-    assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        cond = fns.collate([sample.cond])
+
+        def loss(fix: bool = True) -> torch.Tensor:
+            return (fns.predict(x, sigma, cond).double() * weight).sum()
+
+        grads = _autograd(params, loss)
+        assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+        for _ in range(2):
+            direction = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+            assert _dot(grads, direction) == pytest.approx(_forward_ad(dm, names, params, loss, direction), rel=1e-6)
 
 
 def test_cosmos_checkpointing_without_copies_gives_the_same_gradients(mods):
