@@ -75,11 +75,26 @@ def _inputs(model: Any, size: int, tokens: int) -> tuple[Any, Any]:
 
     nodes, data = _pack("demo.nodes"), _pack("precision_nodes.train_data")
     latent = {"samples": torch.randn(nodes.latent_shape(model, size, size, 1))}
-    cond = nodes.make_conditioning(model, "estimate", 0, tokens)
+    cond = _conditioning(model, nodes, tokens)
     if hasattr(model.model.diffusion_model, "llm_adapter"):  # Anima: T5 ids beside the Qwen3 context
         cond[0][1].update(t5xxl_ids=torch.zeros(tokens, dtype=torch.int32), t5xxl_weights=torch.ones(tokens))
     sample = data.build_samples(model, [latent], [cond], None, torch.device("cpu"))[0]
     return sample.latent.unsqueeze(0), sample.cond
+
+
+# Text-context widths the demo conditioning does not know: Qwen-Image (Qwen2.5-VL 7B hidden states; the
+# model's joint_attention_dim) and Z-Image (Qwen3-4B; detection's cap_feat_dim).
+CONTEXT_WIDTHS = {"qwen_image": 3584}
+
+
+def _conditioning(model: Any, nodes: Any, tokens: int) -> list:
+    import torch
+
+    config = model.model.model_config.unet_config
+    width = CONTEXT_WIDTHS.get(config.get("image_model")) or config.get("cap_feat_dim")
+    if width is None:
+        return nodes.make_conditioning(model, "estimate", 0, tokens)
+    return [[torch.randn(1, tokens, int(width)), {"pooled_output": None}]]
 
 
 def _patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
