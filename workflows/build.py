@@ -28,7 +28,7 @@ SWAP_NOTE = (
     "Demo graph: Demo Latent, Demo Conditioning and Demo Latent Preview stand in for the VAE and the text\n"
     "encoders, so it runs on the tiny demo model (precision_tiny_flux1_dev.safetensors, made by\n"
     "scripts/run.sh) on any machine. It is not a start for real training: for that open train_lora.json\n"
-    "(your images and captions from a folder -> Make Training Dataset with your VAE and text encoders ->\n"
+    "(your images and captions from a folder -> Cached Training Dataset with your VAE and text encoders ->\n"
     "Train LoRA) and, to use the LoRA, inference_matching_scale.json (Empty latent -> KSampler -> VAE Decode)."
 )
 
@@ -51,8 +51,10 @@ REAL_TRAIN_NOTE = (
     "3. Load VAE: the Flux.1 VAE from models/vae (" + REAL_VAE + ").\n"
     "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
     "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n"
-    "   Make Training Dataset encodes every image with the VAE and every caption with the text encoders:\n"
-    "   one latent and one conditioning per image; images of different sizes train in one run.\n\n"
+    "   Cached Training Dataset (Precision) encodes every image with the VAE and every caption with the text\n"
+    "   encoders once and keeps them in <ComfyUI>/cache/precision_lora/dataset: later Runs, other workflows\n"
+    "   and restarts read them back (a changed image, caption or encoder is encoded again). One latent and\n"
+    "   one conditioning per image; images of different sizes train in one run.\n\n"
     "Then Run. Weights load in the file's own dtype (weight_dtype default); the LoRA trains in fp32.\n"
     "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
     "Attach LoRA: rank/alpha/targets. Train Settings: optimizer, lr schedule, timesteps, caption dropout.\n"
@@ -65,9 +67,11 @@ REAL_TRAIN_NOTE = (
     "Train LoRA with resume_from=" + REAL_LORA + " continues there.\n"
     "Loss Graph saves the learning curve (PNG + CSV).\n"
     "Re-running the unchanged graph does not retrain (seeds are fixed); change an input to retrain.\n\n"
-    "Optional: Precision Resolution Buckets between the folder loader and Make Training Dataset resizes\n"
-    "images to one training resolution; ComfyUI's AddTextPrefix after the folder loader adds a trigger word\n"
-    "to every caption; Precision Preview Settings on Train LoRA's preview input samples images every N steps."
+    "Optional: Precision Resolution Buckets between the folder loader and Cached Training Dataset resizes\n"
+    "images to one training resolution; Concatenate Text (StringConcatenate) over the captions adds a trigger\n"
+    "word to every caption; Precision Load Image Dataset can replace the folder loader (EXIF orientation,\n"
+    "16-bit and transparent images, missing captions reported); Precision Preview Settings on Train LoRA's\n"
+    "preview input samples images every N steps."
 )
 
 REAL_INFER_NOTE = (
@@ -242,7 +246,7 @@ def real_train_spec() -> dict:
                   size=[340, 130]),
             _node(6, "VAELoader", [0, 620], {"vae_name": REAL_VAE}, size=[340, 60]),
             _node(7, "LoadImageTextDataSetFromFolder", [0, 720], {"folder": REAL_DATASET}, size=[340, 80]),
-            _node(8, "MakeTrainingDataset", [0, 840], size=[340, 100]),
+            _node(8, "PrecisionCachedTrainingDataset", [0, 840], {"cache": "use"}, size=[340, 130]),
             _node(9, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_lora"},
                   control={"seed": "fixed"}, size=[400, 470]),
             # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
@@ -381,7 +385,7 @@ def real_train_links(info: dict) -> list[tuple]:
             raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
         return names.index(name)
 
-    t, d, m = "PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "MakeTrainingDataset"
+    t, d, m = "PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionCachedTrainingDataset"
     graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
                 if spec[0] == info[t]["output"][out(t, "loss_map")]]
     return [

@@ -47,9 +47,9 @@ def real_files(comfy_server):
 def test_shipped_real_workflows_use_comfyui_nodes_for_data_vae_and_text():
     train, infer = _load("train_lora.json"), _load("inference_matching_scale.json")
     kinds = {v["class_type"] for v in train.values()}
-    assert {"LoadImageTextDataSetFromFolder", "MakeTrainingDataset", "DualCLIPLoader", "VAELoader"} <= kinds
+    assert {"LoadImageTextDataSetFromFolder", "PrecisionCachedTrainingDataset", "DualCLIPLoader", "VAELoader"} <= kinds
     assert not any(k.startswith("PrecisionDemo") for k in kinds | {v["class_type"] for v in infer.values()})
-    data = _of(train, "MakeTrainingDataset")
+    data = _of(train, "PrecisionCachedTrainingDataset")
     trainer = _of(train, "PrecisionTrainLoRA")
     assert train[trainer]["inputs"]["latents"] == [data, 0] and train[trainer]["inputs"]["conditioning"] == [data, 1]
     for prompt in (train, infer):
