@@ -216,7 +216,19 @@ def preview_run(comfy_page, comfy_server, vae_file):
 
 
 def test_the_preview_settings_node_is_wired_to_train_lora(preview_run):
-    assert preview_run["added"]["linked"] is True
+    """What the page sent and the server ran (not the test's own wiring): Train LoRA's preview input linked to
+    the Precision Preview Settings node, which carries the values set on its widgets and its linked inputs."""
+    added = preview_run["added"]
+    prompt = preview_run["history"]["prompt"][2]
+    pv = str(added["preview"])
+    assert prompt[pv]["class_type"] == "PrecisionPreviewSettings", prompt.get(pv)
+    assert prompt[str(FIRST_TRAIN)]["inputs"]["preview"] == [pv, 0]
+    inputs = prompt[pv]["inputs"]
+    expected = {"steps": 2, "width": 64, "height": 64, "batch_size": 1, "seed": 7, "every_n_steps": 2,
+                "at_start": False, "at_end": True}
+    assert {k: inputs.get(k) for k in expected} == expected, inputs
+    assert inputs["vae"] == [str(added["vae"]), 0] and inputs["positive"] == [str(CONDITIONING), 0], inputs
+    assert prompt[str(added["vae"])]["inputs"]["vae_name"] == VAE_FILE
 
 
 def test_a_preview_image_appears_on_the_node_while_it_trains(preview_run):
