@@ -18,8 +18,8 @@ Measured:
   warm-up call in the same process; the rest of the call (LoRA creation, model load, final state) is
   printed as "set-up s". Configurations are repeated interleaved (``--repeats``) and the fastest kept, so
   load from other processes on a shared machine does not decide the ratio;
-- peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak resident set (polled every 2 ms)
-  above the resident set just before training.
+- peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak of torch's ``MemTracker`` over the
+  measured call minus the model's weights (``PeakMemory``); both above what the model itself holds.
 
 Both trainers adapt every Linear of the model, embedders and final layer included (ours: targets "all"
 plus include ".+"; the built-in also trains bias/norm diffs, which are tiny). Usage (tcmalloc makes CPU training several times faster)::
@@ -33,23 +33,21 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = ("ours", "builtin")
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class PeakMemory:
-    """Peak bytes above the level at ``__enter__`` (CUDA allocator, else polled RSS)."""
+    """Peak bytes of one run: CUDA ``max_memory_allocated`` above the level at ``__enter__`` on a GPU; on the
+    CPU the peak of torch's ``MemTracker`` (every tensor storage made or used in the call, once each;
+    bench/memory_step.py) minus the model's own weights, which both trainers hold before they start.
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda, self.peak, self._stop = cuda, 0, threading.Event()
+    (Resident-set growth, used before, was meaningless: the allocator reuses the warm-up call's memory.)"""
+
+    def __init__(self, cuda: bool, model=None) -> None:
+        self.cuda, self.model, self.peak = cuda, model, 0
 
     def __enter__(self) -> PeakMemory:
         import torch
@@ -59,15 +57,14 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            self.base = _rss()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
+            sys.path.insert(0, os.path.join(ROOT, "bench"))
+            import memory_step
 
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss() - self.base)
-            time.sleep(0.002)
+            self.tracker = memory_step.FrozenSafeTracker()
+            if self.model is not None:
+                self.tracker.track_external(self.model)
+            self.tracker.__enter__()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         import torch
@@ -75,9 +72,14 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self._stop.set()
-            self._thread.join()
+            return
+        import memory_step
+
+        self.tracker.__exit__(*exc)
+        kinds = memory_step._category_bytes(self.tracker.get_tracker_snapshot("peak"))
+        weights = 0 if self.model is None else sum(
+            memory_step.storage_bytes(t) for t in (*self.model.parameters(), *self.model.buffers()))
+        self.peak = max(0, kinds.get("Total", 0) - weights)
 
 
 def _setup(args: argparse.Namespace):
@@ -185,8 +187,8 @@ def child(args: argparse.Namespace) -> dict:
     args.variant = args.trainer.partition(":")[2]
     run = _ours if args.trainer == "ours" else _builtin
     cuda = torch.cuda.is_available()
-    with PeakMemory(cuda) as mem:
-        run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools
+    run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools
+    with PeakMemory(cuda, model.model.diffusion_model) as mem:
         clock = StepClock()
         comfy.utils.set_progress_bar_global_hook(clock)
         t0 = time.perf_counter()
