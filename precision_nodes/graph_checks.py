@@ -38,9 +38,12 @@ def _settings_node(prompt: dict, inputs: dict) -> tuple[str, dict] | None:
 def _valid(values: dict) -> bool:
     """The settings node's own validation accepts its values (linked ones are checked when they arrive): a
     bad value there is that node's error alone, not also Train LoRA's."""
-    from .train import PrecisionTrainSettings  # train imports this module
+    import nodes  # ComfyUI's registry: the settings node as ComfyUI validates it (.train imports this module)
 
-    return PrecisionTrainSettings.validate_inputs(**{k: v for k, v in values.items() if not isinstance(v, list)}) is True
+    settings = nodes.NODE_CLASS_MAPPINGS.get(SETTINGS)
+    if settings is None:
+        return True
+    return settings.validate_inputs(**{k: v for k, v in values.items() if not isinstance(v, list)}) is True
 
 
 def problems(prompt: dict) -> Iterator[tuple[str, str, str]]:
