@@ -115,3 +115,12 @@ def randomize_lora(lora_set, seed: int, std: float = 0.2) -> None:
         for a in lora_set.adapters().values():
             a.up.copy_(torch.randn(a.up.shape, generator=g) * std)
             a.mark_modified()
+
+
+def cosmos_with_lora(mods, width: int = 16, height: int = 16):
+    """A tiny Cosmos with a rank-2 attention LoRA attached (``mods``: the train_mods fixture), one latent of
+    ``width`` x ``height`` pixels and one conditioning: (model, latent, conditioning)."""
+    model = tiny_cosmos()
+    with torch.inference_mode():
+        m = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=2, alpha=2, targets="attention"))
+    return m, make_latent(model, 1, width=width, height=height), make_conditioning(model, 1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from models import make_conditioning, make_latent, tiny_cosmos
+from models import cosmos_with_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,10 +20,7 @@ def mods(train_mods):
 
 
 def _setup(mods):
-    model = tiny_cosmos()
-    with torch.inference_mode():
-        m = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=2, alpha=2, targets="attention"))
-    return m, make_latent(model, 1, width=32, height=16), make_conditioning(model, 1)
+    return cosmos_with_lora(mods, width=32)
 
 
 def _run(mods, m, latent, cond, steps, settings, name):
