@@ -27,7 +27,11 @@ GRAPH_ID = """() => { const app = window.comfyAPI.app.app; return (app.rootGraph
 
 def _drop_api(page, name: str) -> None:
     with open(API_DEMO) as f:
-        text = f.read()
+        _drop_api_text(page, name, f.read())
+
+
+def _drop_api_text(page, name: str, text: str) -> None:
+    """Drops an API-format prompt ``text`` on the page as file ``name`` and waits for its nodes."""
     page.evaluate(CLEAR_TOASTS)
     page.evaluate(DROP_WORKFLOW, {"name": name, "text": text})
     want = sorted(int(k) for k in json.loads(text))
