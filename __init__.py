@@ -9,13 +9,13 @@ __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]
 
 
 async def comfy_entrypoint():
-    # Imported lazily: precision_nodes/ is the only package that imports ComfyUI. The version gate comes first, so an
+    # Imported lazily: nodes/ is the only package that imports ComfyUI. The version gate comes first, so an
     # unsupported ComfyUI gets the supported versions instead of an import error from deep inside.
-    from .precision_nodes.comfy_compat import check_supported
+    from .nodes.host.comfy_compat import check_supported
 
     check_supported()
     from .demo.nodes import NODES as DEMO_NODES
-    from .precision_nodes.extension import PrecisionLoRAExtension
+    from .nodes.extension import PrecisionLoRAExtension
 
     # The demo nodes feed the tiny demo models in the example workflows; no product module imports them.
     return PrecisionLoRAExtension(extra_nodes=DEMO_NODES)

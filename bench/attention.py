@@ -51,7 +51,7 @@ def load_pack():
     import comfy_bootstrap
 
     pack = comfy_bootstrap.load_pack_in_process(tempfile.mkdtemp(prefix="precision_lora_bench_"))
-    glue = importlib.import_module(f"{pack.__name__}.precision_nodes.attention_glue")
+    glue = importlib.import_module(f"{pack.__name__}.nodes.attention.glue")
     config = importlib.import_module(f"{pack.__name__}.attention.config")
     stable = importlib.import_module(f"{pack.__name__}.attention.stable")
     import comfy.ldm.modules.attention as comfy_attn

@@ -73,7 +73,7 @@ def _inputs(model: Any, size: int, tokens: int) -> tuple[Any, Any]:
     """(x0 latent (1, ...), the model's processed conds) as the training node builds them."""
     import torch
 
-    nodes, data = _pack("demo.nodes"), _pack("precision_nodes.train_data")
+    nodes, data = _pack("demo.nodes"), _pack("nodes.train.data")
     latent = {"samples": torch.randn(nodes.latent_shape(model, size, size, 1))}
     cond = _conditioning(model, nodes, tokens)
     if hasattr(model.model.diffusion_model, "llm_adapter"):  # Anima: T5 ids beside the Qwen3 context
@@ -122,8 +122,8 @@ def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: 
 
     import memory_step
 
-    glue, tglue, grad = _pack("precision_nodes.lora_glue"), _pack("precision_nodes.train_glue"), _pack("training.grad")
-    compat, optim, masters_mod = _pack("precision_nodes.comfy_compat"), _pack("training.optim"), _pack("training.masters")
+    glue, tglue, grad = _pack("nodes.lora.glue"), _pack("nodes.train.glue"), _pack("training.grad")
+    compat, optim, masters_mod = _pack("nodes.host.comfy_compat"), _pack("training.optim"), _pack("training.masters")
     settings = _pack("training.settings").TrainSettings(gradient_checkpointing=checkpointing)
     cfg = _pack("lora.config").LoRAConfig(rank=rank, alpha=float(rank), targets=targets,
                                                  fp32_accumulation=fp32_accumulation)
@@ -202,7 +202,7 @@ def fake_model(name: str, base: str) -> tuple[Any, Any]:
     weight, compute = (getattr(torch, d) if d else None for d in BASES[base])
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = memory_models.build(config, weight, compute, _pack("precision_nodes.comfy_compat").fit_flux_config)
+        model = memory_models.build(config, weight, compute, _pack("nodes.host.comfy_compat").fit_flux_config)
     model.load_device = None  # the LoRA set stays where it is made (Module.to cannot swap fake parameters)
     return mode, model
 

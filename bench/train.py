@@ -101,7 +101,7 @@ def _setup(args: argparse.Namespace):
 def _ours(h, model, latents, cond, args, steps: int) -> int:
     import torch
 
-    glue, train = h.pack_module("precision_nodes.lora_glue"), h.pack_module("precision_nodes.train")
+    glue, train = h.pack_module("nodes.lora.glue"), h.pack_module("nodes.train.node")
     lora, settings = h.pack_module("lora.config"), h.pack_module("training.settings")
     cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
                                  weight_decay=0.01)

@@ -10,8 +10,8 @@ import hashlib
 
 import torch
 
-from ..precision_nodes.checks import PrecisionNode
-from ..precision_nodes.comfy_io import io
+from ..nodes.checks.gate import PrecisionNode
+from ..nodes.host.comfy_io import io
 
 
 def _seed_for(text: str, seed: int) -> int:

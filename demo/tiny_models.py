@@ -19,8 +19,8 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.model_patcher
 
-from ..precision_nodes.comfy_compat import comfyui_version, fit_flux_config, set_reload
-from ..precision_nodes.load_model import UNET_CONFIG_KEY, build_model_from_config
+from ..nodes.host.comfy_compat import comfyui_version, fit_flux_config, set_reload
+from ..nodes.model.load import UNET_CONFIG_KEY, build_model_from_config
 
 
 _FLUX_COMMON = {

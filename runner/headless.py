@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..precision_nodes.gate_errors import collapse
+from ..nodes.checks.gate_errors import collapse
 from ..training import distributed
 from ..training.checkpoint import (LEGACY_STATE_SUFFIX, LORA_SUFFIX, STATE_SUFFIX, STATE_SUFFIXES, find_state,
                                    state_candidates, state_stem)
@@ -160,7 +160,7 @@ def stage_resume(path: str, checkpoint_folder: str) -> str:
 
 class Progress:
     """The console of a headless run. Progress is the train node's own line (step, smoothed loss, lr, it/s and
-    ETA, every twentieth of its steps or 30 s: ``precision_nodes.train.ConsoleLine``): the node hands it to the
+    ETA, every twentieth of its steps or 30 s: ``nodes.train.node.ConsoleLine``): the node hands it to the
     stand-in server instead of ComfyUI's log, so each report is printed once, by ``echo``. A train node's end
     (outcome, checkpoint) gets a line of its own."""
 
@@ -242,7 +242,7 @@ def run(prompt: dict, steps: int | None = None, resume: str | None = None,
     import server as comfy_server
     import comfy.model_management as mm
 
-    from ..precision_nodes.train_glue import checkpoint_dir
+    from ..nodes.train.glue import checkpoint_dir
 
     echo = echo or (lambda line: print(line, flush=True))
     parallel = distributed.activate(mm.get_torch_device()) if distributed.launched_by_torchrun() else None
@@ -328,7 +328,7 @@ def _validate(execution, prompt_id: str, prompt: dict, targets: list[str]) -> st
     without a writer is checked too."""
     import nodes
 
-    from ..precision_nodes.graph_checks import mark_prompt
+    from ..nodes.checks.graph import mark_prompt
 
     mark_prompt(prompt)  # what the server's on_prompt handler does for /prompt: rules across nodes
     needed = set(targets).union(*(_ancestors(prompt, t) for t in targets))

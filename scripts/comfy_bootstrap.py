@@ -105,8 +105,11 @@ def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
             f"comfyui-precision-lora: ComfyUI not found at {COMFY_DIR}; run 'bash scripts/setup.sh' first "
             "(or set COMFYUI_DIR to your own ComfyUI)"
         )
-    if COMFY_DIR not in sys.path:
-        sys.path.insert(0, COMFY_DIR)
+    # First on sys.path, ahead of the current directory: ComfyUI's own ``import nodes`` must find its nodes.py,
+    # not this checkout's nodes/ package (same name) when a tool runs from the repository root.
+    if COMFY_DIR in sys.path:
+        sys.path.remove(COMFY_DIR)
+    sys.path.insert(0, COMFY_DIR)
     stub_torchvision_before_import()
     # Extra ComfyUI arguments for every process the scripts and tests start, e.g. "--disable-dynamic-vram"
     # or, on a machine without the frontend package, "--front-end-root DIR".
@@ -137,7 +140,7 @@ def link_pack(base_dir: str) -> str:
 def init_in_process(base_dir: str, argv: list[str] | None = None) -> None:
     """Import ComfyUI in this process with ``base_dir`` as its base directory (models, output, ...).
 
-    Idempotent. Afterwards ComfyUI's own ``nodes`` module (not this pack's ``precision_nodes/``) is importable.
+    Idempotent. Afterwards ComfyUI's own ``nodes`` module (not this pack's ``nodes/``) is importable.
     A stand-in ``PromptServer.instance`` collects ``send_sync`` events in ``.events`` for tests.
     """
     if "folder_paths" in sys.modules:
@@ -184,15 +187,29 @@ class _NoNodeReplacements:
         pass
 
 
+def comfy_nodes_module():
+    """ComfyUI's own ``nodes`` module, checked to be ComfyUI's and not this checkout's nodes/ package."""
+    import nodes
+
+    where = os.path.dirname(os.path.abspath(getattr(nodes, "__file__", None) or ""))
+    if where != os.path.abspath(COMFY_DIR):
+        raise RuntimeError(
+            f"comfyui-precision-lora: 'import nodes' found {where}, not ComfyUI's nodes.py in {COMFY_DIR}; "
+            "the pack's nodes/ package shadows it when the checkout is ahead of ComfyUI on sys.path "
+            "(call comfy_bootstrap.prepare() before importing anything of ComfyUI)"
+        )
+    return nodes
+
+
 def load_pack_in_process(base_dir: str):
     """Load this pack through ComfyUI's own custom-node loader; returns the pack's module.
 
-    Sub-modules are then importable as ``<returned module>.__name__ + ".precision_nodes.x"``.
+    Sub-modules are then importable as ``<returned module>.__name__ + ".nodes.x"``.
     """
     import asyncio
 
     init_in_process(base_dir)
-    import nodes as comfy_nodes  # ComfyUI's nodes.py
+    comfy_nodes = comfy_nodes_module()
 
     link = link_pack(os.path.abspath(base_dir))
     name = link.replace(".", "_x_")

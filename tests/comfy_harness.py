@@ -1,7 +1,7 @@
 """In-process ComfyUI for tests and benches: the pack loaded through ComfyUI's own custom-node loader.
 
 ``pack()`` imports ComfyUI once per process (CPU, a temporary base directory) and loads the pack;
-``pack_module("precision_nodes.lora_glue")`` returns a sub-module of the loaded pack; ``node_class(id)`` a
+``pack_module("nodes.lora.glue")`` returns a sub-module of the loaded pack; ``node_class(id)`` a
 registered node class; ``run_graph(prompt)`` executes an API-format prompt with ComfyUI's executor.
 """
 from __future__ import annotations

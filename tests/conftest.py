@@ -1,7 +1,7 @@
 """Root test configuration: import paths, markers, and the tiers' shared options.
 
 The pack's pure packages (attention/, training/, lora/, probe/) are importable by name
-(scripts/pure_packages.py). precision_nodes/ and demo/ import ComfyUI: tests/comfy loads the pack through
+(scripts/pure_packages.py). nodes/ and demo/ import ComfyUI: tests/comfy loads the pack through
 ComfyUI's custom-node loader (see tests/comfy/conftest.py).
 """
 from __future__ import annotations

@@ -161,8 +161,8 @@ def write_tiny_flux(path: str, text_width: int, seed: int = 0) -> None:
     """The demo's tiny Flux.1-dev with ``text_width`` per text token (T5-XXL's 4096 or CLIP-L's 768) and
     CLIP-L's pooled 768; config in the file's metadata."""
     tiny = _pack_module("demo.tiny_models")
-    compat = _pack_module("precision_nodes.comfy_compat")
-    load_model = _pack_module("precision_nodes.load_model")
+    compat = _pack_module("nodes.host.comfy_compat")
+    load_model = _pack_module("nodes.model.load")
     config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": text_width,
                                      "vec_in_dim": 768})
     patcher = tiny.build_tiny_model("flux1_dev", seed=seed, unet_config=config)

@@ -168,6 +168,11 @@ def state_candidates(lora_path: str) -> list[str]:
     return [root + suffix for suffix in STATE_SUFFIXES]
 
 
+def state_beside(lora_path: str) -> str:
+    """The training state file that belongs to the LoRA file ``lora_path``: same folder, same stem."""
+    return state_candidates(lora_path)[0]
+
+
 def find_state(lora_path: str) -> str | None:
     """The first of ``state_candidates(lora_path)`` that is a file, or None."""
     return next((p for p in state_candidates(lora_path) if os.path.isfile(p)), None)

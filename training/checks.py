@@ -4,7 +4,7 @@
 prefix with the node and input (``PrecisionX: input 'y'=<value> ...``). It never raises, whatever the value's
 type: it runs inside ComfyUI's validation, where a raised error would hide the message. A real number (not
 bool, not a string), finite (NaN passes ``<``/``>`` range tests, so it is refused explicitly), an integer
-where one is needed, inside ``[lo, hi]``. File names are checked in ``precision_nodes/file_names.py``.
+where one is needed, inside ``[lo, hi]``. File names are checked in ``nodes/checks/file_names.py``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The on-disk cache of encoded training data: keys, model identities, entry files, verified reads.
 
-Pure (torch, safetensors, stdlib). ``precision_nodes/dataset_cache.py`` feeds it ComfyUI's objects.
+Pure (torch, safetensors, stdlib). ``nodes/dataset/cache.py`` feeds it ComfyUI's objects.
 
 - ``Hasher``: a sha256 over a nested structure (dicts, lists, numbers, strings, tensors); tensors count by
   dtype, shape and bytes: every byte for small tensors, a strided sample of blocks for large ones

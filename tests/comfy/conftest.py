@@ -20,10 +20,10 @@ def pack_module(pack):
 def train_mods(pack_module):
     """The modules the training-node tests reach into."""
     class M:
-        glue = pack_module("precision_nodes.lora_glue")
-        train = pack_module("precision_nodes.train")
-        tglue = pack_module("precision_nodes.train_glue")
-        jobs = pack_module("precision_nodes.train_jobs")
+        glue = pack_module("nodes.lora.glue")
+        train = pack_module("nodes.train.node")
+        tglue = pack_module("nodes.train.glue")
+        jobs = pack_module("nodes.train.jobs")
         lora = pack_module("lora.config")
         ckpt = pack_module("training.checkpoint")
         Settings = pack_module("training.settings").TrainSettings

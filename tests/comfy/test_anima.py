@@ -82,10 +82,10 @@ def ours(model_file):
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        glue = pack_module("precision_nodes.lora_glue")
-        aglue = pack_module("precision_nodes.attention_glue")
-        tglue = pack_module("precision_nodes.train_glue")
-        tdata = pack_module("precision_nodes.train_data")
+        glue = pack_module("nodes.lora.glue")
+        aglue = pack_module("nodes.attention.glue")
+        tglue = pack_module("nodes.train.glue")
+        tdata = pack_module("nodes.train.data")
         lora = pack_module("lora.config")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings
@@ -138,7 +138,7 @@ def test_model_info_route_reads_anima_heads_from_the_header(model_file, pack_mod
     MiniTrainDIT's for Anima files too (they were left out, so the display showed no scale)."""
     import folder_paths
 
-    info = pack_module("precision_nodes.model_info").describe_file(folder_paths.get_full_path("diffusion_models", model_file))
+    info = pack_module("nodes.model.info").describe_file(folder_paths.get_full_path("diffusion_models", model_file))
     assert (info["family"], info["heads"], info["head_dim"]) == ("anima", 16, 12)
     assert info["default_scale"] == pytest.approx(12 ** -0.5)
 

@@ -91,7 +91,7 @@ def reference_forward(multiplier: float = 1.0):
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("precision_nodes.attention_glue")
+    return pack_module("nodes.attention.glue")
 
 
 @pytest.fixture(scope="module")

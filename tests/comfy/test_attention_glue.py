@@ -16,7 +16,7 @@ B, H, L, D = 2, 2, 6, 8
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("precision_nodes.attention_glue")
+    return pack_module("nodes.attention.glue")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ def node(pack):
 
 @pytest.fixture(scope="module")
 def pure(pack_module):
-    return pack_module("attention.config"), pack_module("attention.backends"), pack_module("precision_nodes.attention_glue")
+    return pack_module("attention.config"), pack_module("attention.backends"), pack_module("nodes.attention.glue")
 
 
 def test_schema_inputs_have_tooltips_bounds_and_pure_defaults(node, pure):

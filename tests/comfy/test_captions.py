@@ -71,7 +71,7 @@ def env(pack_module):
     _load_stock_extras("nodes_dataset.py")
 
     class E:
-        td = pack_module("precision_nodes.train_data")
+        td = pack_module("nodes.train.data")
         model = tiny_cosmos()
     root = os.path.join(folder_paths.get_input_directory(), "precision_captions")
     shutil.rmtree(root, ignore_errors=True)
@@ -199,8 +199,8 @@ def test_a_list_of_conditionings_that_does_not_fit_its_latent_list_names_the_ite
 
 
 def test_train_node_logs_the_dataset_report_and_keeps_it_in_the_lora_metadata(env, caplog):
-    glue, lora = pack_module("precision_nodes.lora_glue"), pack_module("lora.config")
-    train = pack_module("precision_nodes.train")
+    glue, lora = pack_module("nodes.lora.glue"), pack_module("lora.config")
+    train = pack_module("nodes.train.node")
     with torch.inference_mode():
         model = glue.attach_lora(env.model, lora.LoRAConfig(rank=2, alpha=2))
     with caplog.at_level(logging.INFO), torch.inference_mode():

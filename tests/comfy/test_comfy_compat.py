@@ -1,4 +1,4 @@
-"""Version differences (precision_nodes/comfy_compat.py) on the host this run uses: ComfyUI 0.3.75 or 0.33.
+"""Version differences (nodes/host/comfy_compat.py) on the host this run uses: ComfyUI 0.3.75 or 0.33.
 
 Each test names the 0.33 change it guards (flux config keys, kitchen rotary ops, new backends, deep copies);
 each fails on 0.33 without the fix.
@@ -20,11 +20,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        compat = pack_module("precision_nodes.comfy_compat")
-        glue = pack_module("precision_nodes.lora_glue")
-        aglue = pack_module("precision_nodes.attention_glue")
-        train = pack_module("precision_nodes.train")
-        jobs = pack_module("precision_nodes.train_jobs")
+        compat = pack_module("nodes.host.comfy_compat")
+        glue = pack_module("nodes.lora.glue")
+        aglue = pack_module("nodes.attention.glue")
+        train = pack_module("nodes.train.node")
+        jobs = pack_module("nodes.train.jobs")
         lora = pack_module("lora.config")
         AttentionConfig = pack_module("attention.config").AttentionConfig
         Settings = pack_module("training.settings").TrainSettings

@@ -11,8 +11,8 @@ from models import make_conditioning, tiny_cosmos, tiny_flux1
 @pytest.fixture(scope="module")
 def env(pack_module):
     class E:
-        td = pack_module("precision_nodes.train_data")
-        checks = pack_module("precision_nodes.data_checks")
+        td = pack_module("nodes.train.data")
+        checks = pack_module("nodes.model.data_checks")
         flux, cosmos = tiny_flux1(), tiny_cosmos()
     return E
 

@@ -151,7 +151,7 @@ def test_the_cache_folder_is_in_comfyuis_base_directory(pack, monkeypatch):
     import folder_paths
 
     monkeypatch.delenv("PRECISION_LORA_DATASET_CACHE", raising=False)
-    glue = pack_module("precision_nodes.dataset_cache_glue")
+    glue = pack_module("nodes.dataset.cache_glue")
     assert glue.cache_folder() == os.path.join(folder_paths.base_path, "cache", "precision_lora", "dataset")
 
 
@@ -229,8 +229,8 @@ def test_a_corrupt_or_truncated_entry_is_encoded_again_never_used(enc, folder, c
 def test_training_from_cached_inputs_equals_training_from_fresh_encodes_bit_for_bit(enc, folder, pack_module):
     """Train LoRA (3 steps, tiny Flux.1 whose text widths are this CLIP's 64) from Make Training Dataset's
     fresh encodes and from the cache node's second (all cached) run: the same LoRA, every bit."""
-    tiny, compat = pack_module("demo.tiny_models"), pack_module("precision_nodes.comfy_compat")
-    glue, lora, train = (pack_module(m) for m in ("precision_nodes.lora_glue", "lora.config", "precision_nodes.train"))
+    tiny, compat = pack_module("demo.tiny_models"), pack_module("nodes.host.comfy_compat")
+    glue, lora, train = (pack_module(m) for m in ("nodes.lora.glue", "lora.config", "nodes.train.node"))
     config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": 64, "vec_in_dim": 64})
     model = tiny.build_tiny_model("flux1_dev", seed=0, unet_config=config)
     images = _images()

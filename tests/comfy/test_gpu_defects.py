@@ -51,7 +51,7 @@ def _save_and_stock(pack_module, family):
     import nodes as comfy_nodes
     from lora.config import LoRAConfig
 
-    glue = pack_module("precision_nodes.lora_glue")
+    glue = pack_module("nodes.lora.glue")
     base = FAMILIES[family]()
     model = glue.attach_lora(base, LoRAConfig(rank=4, targets="attention_mlp"))
     randomize_lora(glue.get_lora_set(model), 1)
@@ -160,14 +160,14 @@ def test_dynamic_vram_weights_reach_the_lora_layer_as_ordinary_tensors_in_traini
     weight is not the module's parameter but a view into a VRAM buffer that comfy.ops.cast_bias_weight /
     resolve_cast_module_with_vbar hands out per forward; made inside inference mode it is an inference tensor,
     whatever train_glue.normal_weights did to the parameters at load. The pack's boundary is LoRALinear.__call__
-    (precision_nodes/lora_glue.py): with grad on it clones such a weight before lora_linear, so autograd never
+    (nodes/lora/glue.py): with grad on it clones such a weight before lora_linear, so autograd never
     saves an inference tensor. Asserted where it matters: the weight lora_linear receives under grad is never an
     inference tensor, the LoRA gradients are finite and non-zero, and no LoRA parameter is an inference tensor.
     No tolerance: a boolean property."""
     import folder_paths
     import nodes as comfy_nodes
 
-    glue = pack_module("precision_nodes.lora_glue")
+    glue = pack_module("nodes.lora.glue")
     layer = pack_module("lora.layer")
     from lora.config import LoRAConfig
     from models import make_conditioning, make_latent
@@ -185,7 +185,7 @@ def test_dynamic_vram_weights_reach_the_lora_layer_as_ordinary_tensors_in_traini
             seen.append(weight.is_inference())
         return real(x, weight, bias, adapters)
 
-    glue_mod = pack_module("precision_nodes.lora_glue")
+    glue_mod = pack_module("nodes.lora.glue")
     old = glue_mod.lora_linear
     glue_mod.lora_linear = spy
     try:
@@ -216,7 +216,7 @@ def test_anima_token_ids_follow_the_model_device_in_training_conds(pack_module):
     import comfy.model_management as mm
     from models import make_conditioning, make_latent, tiny_anima
 
-    tdata = pack_module("precision_nodes.train_data")
+    tdata = pack_module("nodes.train.data")
     model = tiny_anima()
     device = mm.get_torch_device()
     (sample,) = tdata.build_samples(model, [make_latent(model, 1, width=32, height=32)],

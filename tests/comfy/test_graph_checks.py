@@ -38,7 +38,7 @@ def test_caption_dropout_without_the_empty_caption_is_refused_before_anything_ru
 
 
 def test_a_prompt_that_breaks_no_rule_is_left_unchanged(pack_module):
-    checks = pack_module("precision_nodes.graph_checks")
+    checks = pack_module("nodes.checks.graph")
     prompt = json.load(open(DEMO_TRAIN))
     before = json.dumps(prompt, sort_keys=True)
     assert checks.on_prompt({"prompt": prompt})["prompt"] is prompt and json.dumps(prompt, sort_keys=True) == before
@@ -47,7 +47,7 @@ def test_a_prompt_that_breaks_no_rule_is_left_unchanged(pack_module):
 
 def test_a_settings_value_its_own_node_refuses_is_not_reported_twice(pack_module):
     """dop_multiplier=1e9 is above the input's maximum (100): the settings node's error, not Train LoRA's too."""
-    checks = pack_module("precision_nodes.graph_checks")
+    checks = pack_module("nodes.checks.graph")
     prompt = json.load(open(DEMO_TRAIN))
     settings = next(k for k, n in prompt.items() if n["class_type"] == "PrecisionTrainSettings")
     prompt[settings]["inputs"]["dop_multiplier"] = 1e9

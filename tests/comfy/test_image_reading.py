@@ -223,7 +223,7 @@ def test_folders_outside_input_are_refused(node, folder, tmp_path):
         message = node.validate_inputs(folder=bad, alpha="white", animated="first_frame", missing_caption="train_empty")
         assert message.startswith("[Precision LoRA] PrecisionLoadImageDataset: input 'folder'=") and \
             "is not an option; choose one of [" in message and bad[-12:] not in message.split("choose")[1]
-    dataset = comfy_harness.pack_module("precision_nodes.dataset")
+    dataset = comfy_harness.pack_module("nodes.dataset.node")
     for bad in (outside, str(tmp_path), f"{name}/link"):  # what reaches execute past validation, symlink included
         with pytest.raises(ValueError, match=r"PrecisionLoadImageDataset: input 'folder'=.* is not a folder inside "
                                              r"ComfyUI's input folder"):

@@ -1,4 +1,4 @@
-"""The input gate (precision_nodes/checks.py) of every pack node, driven by each node's own schema.
+"""The input gate (nodes/checks/gate.py) of every pack node, driven by each node's own schema.
 
 Issue 13: D4 (validate_inputs(**_) made ComfyUI skip min/max of every input of Patch Attention and
 Probe), D5 (NaN passes ComfyUI's range checks: max_grad_norm, dop_multiplier, Load LoRA strength ...),
@@ -13,17 +13,17 @@ import pytest
 
 import comfy_harness
 
-# precision_nodes/load_model.py belongs to the ComfyUI-compatibility work; it adopts the gate separately.
+# nodes/model/load.py belongs to the ComfyUI-compatibility work; it adopts the gate separately.
 NOT_YET_GATED: set[str] = set()
 
 
 def _nodes():
-    product = comfy_harness.pack_module("precision_nodes.extension").PRODUCT_NODES
+    product = comfy_harness.pack_module("nodes.extension").PRODUCT_NODES
     return [*product, *comfy_harness.pack_module("demo.nodes").NODES]
 
 
 def _gate_base():
-    return comfy_harness.pack_module("precision_nodes.checks").PrecisionNode
+    return comfy_harness.pack_module("nodes.checks.gate").PrecisionNode
 
 
 def _inputs(node, kinds):

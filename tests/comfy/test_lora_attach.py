@@ -14,7 +14,7 @@ FAMILIES = {"flux1": tiny_flux1, "flux2": tiny_flux2, "cosmos": tiny_cosmos}
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("precision_nodes.lora_glue")
+    return pack_module("nodes.lora.glue")
 
 
 @pytest.fixture(scope="module")

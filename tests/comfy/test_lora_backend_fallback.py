@@ -10,8 +10,8 @@ from models import make_conditioning, make_latent, tiny_flux1
 
 
 def test_unavailable_recorded_backend_falls_back_to_auto_with_same_scale(pack_module, caplog):
-    glue = pack_module("precision_nodes.lora_glue")
-    attn = pack_module("precision_nodes.attention_glue")
+    glue = pack_module("nodes.lora.glue")
+    attn = pack_module("nodes.attention.glue")
     from attention.backends import available
 
     missing = next((n for n, r in available().items() if r is not None), None)

@@ -20,7 +20,7 @@ LOAD_ARGS = dict(strength=1.0, mode="fp32", attention="apply_recorded", override
 
 @pytest.fixture(scope="module")
 def glue(pack_module):
-    return pack_module("precision_nodes.lora_glue")
+    return pack_module("nodes.lora.glue")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def cfg_cls(pack_module):
 
 @pytest.fixture(scope="module")
 def attn(pack_module):
-    return pack_module("precision_nodes.attention_glue"), pack_module("attention.config").AttentionConfig
+    return pack_module("nodes.attention.glue"), pack_module("attention.config").AttentionConfig
 
 
 def node(node_id):

@@ -27,7 +27,7 @@ def model_name(pack):
 def test_attach_save_then_load_graph(model_name, pack_module):
     import folder_paths
 
-    glue = pack_module("precision_nodes.lora_glue")
+    glue = pack_module("nodes.lora.glue")
     prompt = {
         "1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": model_name, "weight_dtype": "fp32"}},
         "2": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["1", 0], **ATTACH}},

@@ -33,7 +33,7 @@ def _config(pack_module, blocks: int = 2):
 def _model(pack_module, blocks: int = 2):
     """The model as the estimator builds it (bf16 weights computed in bf16, as on a GPU; ComfyUI's own CPU
     policy would compute in fp32), with seeded weights when built for real."""
-    fit = pack_module("precision_nodes.comfy_compat").fit_flux_config
+    fit = pack_module("nodes.host.comfy_compat").fit_flux_config
     model = memory_models.build(_config(pack_module, blocks), torch.bfloat16, None, fit)
     model.load_device = None
     return model

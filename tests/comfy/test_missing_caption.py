@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def env(pack):
     class E:
-        td = pack_module("precision_nodes.train_data")
+        td = pack_module("nodes.train.data")
         model = tiny_cosmos()
     return E
 
@@ -60,7 +60,7 @@ def test_no_line_when_every_caption_is_there_or_every_one_is_empty(env):
 
 
 def test_train_lora_shows_the_line_with_empty_conditioning_connected(env):
-    glue, train = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train")
+    glue, train = pack_module("nodes.lora.glue"), pack_module("nodes.train.node")
     Settings = pack_module("training.settings").TrainSettings
     with torch.inference_mode():
         model = glue.attach_lora(env.model, pack_module("lora.config").LoRAConfig(rank=2, alpha=2))

@@ -16,8 +16,8 @@ from models import tiny_flux1
 
 
 def test_a_saved_lora_follows_the_umask(pack_module):
-    glue = pack_module("precision_nodes.lora_glue")
-    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
+    glue = pack_module("nodes.lora.glue")
+    save = pack_module("nodes.lora.node").PrecisionSaveLoRA
     old = os.umask(0o022)
     try:
         with torch.inference_mode():
@@ -31,12 +31,12 @@ def test_a_saved_lora_follows_the_umask(pack_module):
 def test_start_up_sweep_removes_partials_of_dead_writers_in_the_pack_folders(pack_module):
     import folder_paths
 
-    housekeeping = pack_module("precision_nodes.housekeeping")
+    housekeeping = pack_module("nodes.host.housekeeping")
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     deep = os.path.join(folder_paths.get_folder_paths("loras")[0], "sub", "deeper")
     ckpt = os.path.join(folder_paths.get_output_directory(), "precision_lora", "checkpoints")
-    run = pack_module("precision_nodes.checkpoint_files").run_folder("sweep_run")  # where checkpoints land now
+    run = pack_module("nodes.train.checkpoint_files").run_folder("sweep_run")  # where checkpoints land now
     stale, live = [], []
     for folder in (deep, ckpt, run):
         os.makedirs(folder, exist_ok=True)
@@ -50,3 +50,17 @@ def test_start_up_sweep_removes_partials_of_dead_writers_in_the_pack_folders(pac
     assert all(os.path.exists(p) for p in live)
     for p in live:
         os.remove(p)
+
+
+def test_the_pack_nodes_package_and_comfyuis_nodes_py_do_not_clash(pack_module):
+    # Issue 24: the design's nodes/ shares its name with ComfyUI's nodes.py. With the repository root on
+    # sys.path (python -m pytest from it), ``import nodes`` is still ComfyUI's, and the pack's is <pack>.nodes.
+    import comfy_bootstrap
+    import nodes as short
+
+    assert os.path.dirname(short.__file__) == os.path.abspath(comfy_bootstrap.COMFY_DIR)
+    assert hasattr(short, "NODE_CLASS_MAPPINGS")
+    assert comfy_bootstrap.comfy_nodes_module() is short
+    ours = pack_module("nodes")
+    assert ours is not short and ours.__name__.endswith(".nodes")
+    assert os.path.realpath(os.path.dirname(ours.__file__)) == os.path.join(os.path.realpath(comfy_bootstrap.ROOT), "nodes")

@@ -17,7 +17,7 @@ MULTIPLIER = 1.5
 
 def _lora_model(up_std: float):
     """Tiny Flux.1 + rank-4 LoRA with non-zero ``up`` + sdpa attention at 1.5x the default scale."""
-    lg, ag = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.attention_glue")
+    lg, ag = pack_module("nodes.lora.glue"), pack_module("nodes.attention.glue")
     LoRAConfig = pack_module("lora.config").LoRAConfig
     AttentionConfig = pack_module("attention.config").AttentionConfig
     model = lg.attach_lora(tiny_flux1(), LoRAConfig(rank=4, alpha=4.0))
@@ -67,7 +67,7 @@ def _independent_gains(x: np.ndarray, w: np.ndarray, b: np.ndarray, dw: np.ndarr
 
 
 def test_probe_output_bit_identical_and_lora_gains_match_direct_computation():
-    pg = pack_module("precision_nodes.probe_glue")
+    pg = pack_module("nodes.probe.glue")
     model = _lora_model(up_std=3e-4)
     latent, cond = make_latent(model), make_conditioning(model)
     path = "double_blocks.0.img_attn.proj"
@@ -82,7 +82,7 @@ def test_probe_output_bit_identical_and_lora_gains_match_direct_computation():
     with torch.inference_mode():
         result = pg.probe_model(model, latent, cond, noise_level=0.5, seed=7, max_rows=4096)
     assert torch.equal(result.output, plain)
-    adapter = pack_module("precision_nodes.lora_glue").get_lora_set(model).adapters()[path]
+    adapter = pack_module("nodes.lora.glue").get_lora_set(model).adapters()[path]
     dw = (adapter.up.detach().double() @ adapter.down.detach().double()).cpu().numpy() * adapter.scale
     x = seen[0].reshape(-1, seen[0].shape[-1]).double().cpu().numpy()
     expected = _independent_gains(x, module.weight.detach().double().cpu().numpy(),
@@ -94,11 +94,11 @@ def test_probe_output_bit_identical_and_lora_gains_match_direct_computation():
     # At rms(dW)/rms(W) ~ 1e-3 bf16 really loses signal while the fp32 path keeps it; docs/lora.md shows the numbers.
     assert result.lora[path].rho < 3e-3
     assert got["merge"] < 0.6 and got["fp32_unmerged"] > got["merge"] + 0.3
-    assert set(result.lora) == set(pack_module("precision_nodes.lora_glue").get_lora_set(model).paths())
+    assert set(result.lora) == set(pack_module("nodes.lora.glue").get_lora_set(model).paths())
 
 
 def test_probe_attention_stats_match_independent_measurement():
-    pg = pack_module("precision_nodes.probe_glue")
+    pg = pack_module("nodes.probe.glue")
     model = _lora_model(up_std=3e-4)
     latent, cond = make_latent(model), make_conditioning(model)
     override = model.model_options["transformer_options"]["optimized_attention_override"]

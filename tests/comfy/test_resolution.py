@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def res(pack_module):
-    return pack_module("precision_nodes.resolution")
+    return pack_module("nodes.dataset.resolution")
 
 
 def _image(w: int, h: int, colour: float) -> torch.Tensor:
@@ -93,8 +93,8 @@ def test_unusable_images_are_named(res):
 @pytest.fixture(scope="module")
 def train(pack_module):
     class M:
-        glue = pack_module("precision_nodes.lora_glue")
-        node = pack_module("precision_nodes.train").PrecisionTrainLoRA
+        glue = pack_module("nodes.lora.glue")
+        node = pack_module("nodes.train.node").PrecisionTrainLoRA
         lora = pack_module("lora.config")
     return M
 

@@ -27,7 +27,7 @@ def _demo_only(path: str) -> bool:
 
 
 RUNNABLE = [p for p in TRAINING if _demo_only(p)]
-# The train node's progress line (precision_nodes/train.py ConsoleLine); group 1 is the step.
+# The train node's progress line (nodes/train/node.py ConsoleLine); group 1 is the step.
 PROGRESS = re.compile(r"PrecisionTrainLoRA: step (\d+)/\d+ loss \S+ \(smoothed\) lr \S+ [\d.]+ it/s ETA \d+:\d\d:\d\d$")
 DEMO_TRAIN = os.path.join(ROOT, "workflows", "api", "train_lora_demo.json")
 if not os.path.exists(DEMO_TRAIN):  # before the demo/real split of the shipped workflows

@@ -63,7 +63,7 @@ def test_save_lora_shows_its_path_and_writes_kohya_training_keys(mods, pack_modu
     settings = mods.Settings(learning_rate=2e-4, batch_size=1, grad_accum=2, caption_dropout=0.0,
                              lr_schedule="cosine", schedule_steps=100, warmup_steps=1)
     model, state, _, _, _ = _run(mods, m, latent, cond, 3, settings, "feedback").result
-    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
+    save = pack_module("nodes.lora.node").PrecisionSaveLoRA
     server = comfy_harness.server()
     before = len(server.events)
     with torch.inference_mode(), CurrentNodeContext("prompt-save", "31"):

@@ -27,7 +27,7 @@ def test_bench_quick_prints_rows_and_ratios(pack_module):
     assert re.search(r"^False\s+builtin\s+failed: .*inplace operation", text, re.M), text
     ratio = re.search(r"ratio ours/builtin, model=tiny checkpointing=True: time ([0-9.]+)x, peak memory ([0-9.]+)x", text)
     assert ratio and float(ratio.group(1)) > 0, text
-    version = pack_module("precision_nodes.comfy_compat").comfyui_version()
+    version = pack_module("nodes.host.comfy_compat").comfyui_version()
     assert f"bench/train.py ComfyUI {'.'.join(map(str, version))} " in text, text
     bypass = r"ratio ours/builtin:bypass_mode, model=tiny checkpointing=True: time [0-9.]+x, peak memory [0-9.]+x"
     if version >= (0, 33, 0):
@@ -46,10 +46,10 @@ def test_bench_width_model_has_the_requested_shape_and_both_ratios(pack_module):
     tiny = pack_module("demo.tiny_models")
     model = tiny.build_tiny_model("cosmos", unet_config=tiny.cosmos_width_config(256, 1))
     dm = model.model.diffusion_model
-    lora = sum(8 * (i + o) for i, o in pack_module("precision_nodes.lora_glue").linear_layers(model).values())
+    lora = sum(8 * (i + o) for i, o in pack_module("nodes.lora.glue").linear_layers(model).values())
     assert f"model 256x1: {sum(p.numel() for p in dm.parameters()):,} parameters, LoRA {lora:,} (every Linear)" in text, text
     assert dm.blocks[0].self_attn.q_proj.weight.shape == (256, 256) and len(dm.blocks) == 1
-    builtin_trains_cosmos = pack_module("precision_nodes.comfy_compat").comfyui_version() < (0, 30, 0)
+    builtin_trains_cosmos = pack_module("nodes.host.comfy_compat").comfyui_version() < (0, 30, 0)
     for ckpt in ("False", "True"):
         ratio = rf"ratio ours/builtin, model=256x1 checkpointing={ckpt}: time [0-9.]+x, peak memory [0-9.]+x"
         refused = rf"no ratio ours/builtin, model=256x1 checkpointing={ckpt}: the built-in trainer could not train"

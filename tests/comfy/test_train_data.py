@@ -10,7 +10,7 @@ from models import make_conditioning, make_latent, tiny_cosmos
 @pytest.fixture(scope="module")
 def env(pack_module):
     class E:
-        td = pack_module("precision_nodes.train_data")
+        td = pack_module("nodes.train.data")
         model = tiny_cosmos()
     return E
 
@@ -63,7 +63,7 @@ def test_mixed_resolutions_form_separate_groups(env, pack_module, one_thread):
     assert [k[1][-2:] for k in keys] == [(4, 4), (4, 6), (4, 4)]
     assert report.buckets == 2 and report.sizes == {"32x32 px": 2, "48x32 px": 1}
 
-    glue, train = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train")
+    glue, train = pack_module("nodes.lora.glue"), pack_module("nodes.train.node")
     Settings = pack_module("training.settings").TrainSettings
     with torch.inference_mode():
         model = glue.attach_lora(env.model, pack_module("lora.config").LoRAConfig(rank=2, alpha=2))

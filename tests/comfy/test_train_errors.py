@@ -12,9 +12,9 @@ from models import make_conditioning, make_latent, tiny_cosmos, tiny_flux1
 @pytest.fixture(scope="module")
 def env(pack_module):
     class E:
-        glue = pack_module("precision_nodes.lora_glue")
-        train = pack_module("precision_nodes.train")
-        tglue = pack_module("precision_nodes.train_glue")
+        glue = pack_module("nodes.lora.glue")
+        train = pack_module("nodes.train.node")
+        tglue = pack_module("nodes.train.glue")
         lora = pack_module("lora.config")
         Settings = pack_module("training.settings").TrainSettings
         model = tiny_cosmos()

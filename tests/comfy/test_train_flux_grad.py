@@ -31,10 +31,10 @@ TRAINED = ("double_blocks", "single_blocks", "double_stream_modulation", "single
 @pytest.fixture(scope="module")
 def mods(pack_module):
     class M:
-        tglue = pack_module("precision_nodes.train_glue")
-        tdata = pack_module("precision_nodes.train_data")
+        tglue = pack_module("nodes.train.glue")
+        tdata = pack_module("nodes.train.data")
         grad = pack_module("training.grad")
-        compat = pack_module("precision_nodes.comfy_compat")
+        compat = pack_module("nodes.host.comfy_compat")
         Settings = pack_module("training.settings").TrainSettings
 
         @staticmethod

@@ -11,7 +11,7 @@ from PIL import Image
 
 @pytest.fixture(scope="module")
 def lg(pack_module):
-    return pack_module("precision_nodes.loss_graph")
+    return pack_module("nodes.train.loss_graph")
 
 
 def test_smoothing_is_bias_corrected_ema(lg):

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def memorise(pack_module, family: str, steps: int, lr: float) -> list[float]:
-    glue, tglue, tdata = (pack_module(m) for m in ("precision_nodes.lora_glue", "precision_nodes.train_glue", "precision_nodes.train_data"))
+    glue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
     loop, lora = pack_module("training.loop"), pack_module("lora.config")
     settings = pack_module("training.settings").TrainSettings(learning_rate=lr)
     model = FAMILIES[family]()
@@ -53,7 +53,7 @@ def test_loss_falls_by_half_within_50_steps(pack_module, family, lr):
 
 def _eval_loss(pack_module, model, latent, cond, settings, draws: int = 16) -> float:
     """Mean loss of ``model`` on one latent over ``draws`` fixed (noise, sigma) pairs from the settings' sampler."""
-    glue, tglue, tdata = (pack_module(m) for m in ("precision_nodes.lora_glue", "precision_nodes.train_glue", "precision_nodes.train_data"))
+    glue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
     sampling = pack_module("training.sampling")
     with torch.inference_mode():
         out, lora_set = tglue.fork_lora(model)
@@ -74,7 +74,7 @@ def test_the_node_itself_halves_the_loss_on_fixed_evaluation_draws(pack_module):
     """The unmodified node (fresh noise every step, default sampler) on tiny Cosmos-Predict2: after 50 steps
     the loss on 16 fixed (noise, sigma) draws of the training latent is at most half of what it was before.
     (Tiny Flux.1 does not reach half here, hence the fixed-noise test above for both families.)"""
-    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.config")
+    glue, train, lora = pack_module("nodes.lora.glue"), pack_module("nodes.train.node"), pack_module("lora.config")
     settings = pack_module("training.settings").TrainSettings(learning_rate=2e-3)
     model = tiny_cosmos()
     latent, cond = make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)

@@ -39,7 +39,7 @@ CENSUS_STEPS = (50, 175, 300)
 def test_live_tensors_and_rss_flat_over_300_steps_and_base_weights_unchanged(pack_module):
     import comfy_harness
 
-    glue, train, lora = pack_module("precision_nodes.lora_glue"), pack_module("precision_nodes.train"), pack_module("lora.config")
+    glue, train, lora = pack_module("nodes.lora.glue"), pack_module("nodes.train.node"), pack_module("lora.config")
     Settings = pack_module("training.settings").TrainSettings
     model = tiny_flux1()
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}

@@ -302,7 +302,7 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
 
 
 def _save(mods, pack_module, model, prefix: str, state=None, overwrite: bool = False) -> str:
-    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
+    save = pack_module("nodes.lora.node").PrecisionSaveLoRA
     extra = {} if state is None else {"training_state": state}
     with torch.inference_mode():
         return save.execute(model, prefix, "output", "fp32", "auto", False, overwrite, **extra).result[0]

@@ -23,11 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def env(pack_module):
 
     class E:
-        glue = pack_module("precision_nodes.lora_glue")
-        train = pack_module("precision_nodes.train")
-        preview = pack_module("precision_nodes.train_preview")
-        node = pack_module("precision_nodes.preview_node").PrecisionPreviewSettings
-        compat = pack_module("precision_nodes.comfy_compat")
+        glue = pack_module("nodes.lora.glue")
+        train = pack_module("nodes.train.node")
+        preview = pack_module("nodes.train.preview")
+        node = pack_module("nodes.train.preview_node").PrecisionPreviewSettings
+        compat = pack_module("nodes.host.comfy_compat")
         lora = pack_module("lora.config")
         Settings = pack_module("training.settings").TrainSettings
 

@@ -32,7 +32,7 @@ def _run(mods, m, latent, cond, steps, lr=1e-3, name="states", **kw):
 
 
 def _save(pack_module, model, prefix, state, folder="loras"):
-    save = pack_module("precision_nodes.lora").PrecisionSaveLoRA
+    save = pack_module("nodes.lora.node").PrecisionSaveLoRA
     with torch.inference_mode():
         return save.execute(model, prefix, folder, "fp32", "auto", True, False, training_state=state)
 

@@ -24,7 +24,7 @@ from fuzz_lib import SINKS, Mutation, base_graph, error_problems, mutations, sub
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 HANG_GUARD_S = 30  # per request (Client.call): a server that stops answering fails; no latency band on shared hosts
-# Inputs of precision_nodes/load_model.py (the ComfyUI-compatibility work) until it derives from PrecisionNode: a
+# Inputs of nodes/model/load.py (the ComfyUI-compatibility work) until it derives from PrecisionNode: a
 # missing model_name makes its own validate_inputs raise a TypeError. Reported, not failed.
 KNOWN_GAPS: set[tuple[str, str, str]] = set()
 # Data from another model, which validation cannot see: (node, input, link to the tiny Flux.1's output).
@@ -157,7 +157,7 @@ def test_fuzz_every_input_of_every_pack_node(server):
     for key, n in sorted(counts.items()):
         print(f"[fuzz]   {key}: {n}")
     for gap in gaps:
-        print(f"[fuzz]   known gap (precision_nodes/load_model.py): {gap}")
+        print(f"[fuzz]   known gap (nodes/model/load.py): {gap}")
     assert not failures, "\n".join(map(str, failures[:40]))
     assert client.latencies and all(0 < t < HANG_GUARD_S for t in client.latencies)  # every request answered
     _assert_files_stayed_in_pack_folders(server.base_dir, before, token)

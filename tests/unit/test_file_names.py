@@ -1,4 +1,4 @@
-"""precision_nodes/file_names.py: every check of a file name from outside the pack.
+"""nodes/checks/file_names.py: every check of a file name from outside the pack.
 
 Names the pack creates (widget values; issue 13: D7 NUL / overlong names reached the OS as raw errors, D10
 newlines), and names of existing files the browser's routes ask for (.., absolute paths, symlinks leaving the
@@ -15,7 +15,7 @@ from pure_packages import PACK
 from tests.unit.test_lora_routes import tree  # noqa: F401  (the fixture: two loras roots, symlinks of each kind)
 from training.checks import show
 
-fn = importlib.import_module(f"{PACK}.precision_nodes.file_names")
+fn = importlib.import_module(f"{PACK}.nodes.checks.file_names")
 name_problem = fn.name_problem
 
 

@@ -59,14 +59,14 @@ def test_train_settings_still_accept_their_defaults_and_zero_where_meaningful():
     assert math.isfinite(TrainSettings().learning_rate)
 
 
-# ---- issue 22, item 7: one entry per problem in ComfyUI's answer (precision_nodes/gate_errors.py) ------------
+# ---- issue 22, item 7: one entry per problem in ComfyUI's answer (nodes/checks/gate_errors.py) ------------
 
 def _gate_errors():
     import importlib
 
     from pure_packages import PACK
 
-    return importlib.import_module(f"{PACK}.precision_nodes.gate_errors")
+    return importlib.import_module(f"{PACK}.nodes.checks.gate_errors")
 
 
 def _copies(message: str, names: list[str]) -> list[dict]:

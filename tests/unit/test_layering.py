@@ -9,19 +9,22 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PRODUCT = ("attention", "training", "lora", "probe", "precision_nodes")
+PRODUCT = ("attention", "training", "lora", "probe", "nodes")
 # What each package may import of the pack (besides itself). Bottom to top:
-# attention, training -> lora -> probe -> precision_nodes; demo/ sits beside the product, on top of it.
+# attention, training -> lora -> probe -> nodes; demo/ sits beside the product, on top of it.
 ALLOWED = {
     "attention": set(),
     "training": set(),
     "lora": {"attention", "training"},
     "probe": {"attention", "training", "lora"},
-    "precision_nodes": {"attention", "training", "lora", "probe"},
-    "runner": {"attention", "training", "lora", "probe", "precision_nodes"},
-    "demo": {"attention", "training", "lora", "probe", "precision_nodes"},
+    "nodes": {"attention", "training", "lora", "probe"},
+    "runner": {"attention", "training", "lora", "probe", "nodes"},
+    "demo": {"attention", "training", "lora", "probe", "nodes"},
 }
 PACK_PACKAGES = set(ALLOWED) | {"tests", "bench", "scripts"}
+# An absolute ``import nodes`` is ComfyUI's nodes.py (the pack is one package: its own modules are imported
+# relatively), so that name never counts as the pack's nodes/.
+COMFY_NAMES = {"nodes"}
 
 
 def _modules(package: str) -> dict[str, str]:
@@ -41,10 +44,10 @@ def _imports(module: str, path: str) -> set[str]:
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.split(".")[0] in PACK_PACKAGES)
+            out.update(a.name for a in node.names if a.name.split(".")[0] in PACK_PACKAGES - COMFY_NAMES)
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
-                if (node.module or "").split(".")[0] in PACK_PACKAGES:
+                if (node.module or "").split(".")[0] in PACK_PACKAGES - COMFY_NAMES:
                     out.add(node.module)
                 continue
             base = package.split(".")
@@ -55,7 +58,10 @@ def _imports(module: str, path: str) -> set[str]:
                 out.update(a.name for a in node.names)
                 continue
             if node.module:
+                # ``from .train import node as train`` imports the sub-module ``train.node``: name both (the
+                # graph keeps a name only where it is a module and folds a function into its module).
                 out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)
             else:
                 out.update(f"{target}.{a.name}" for a in node.names)
     return out
@@ -83,6 +89,37 @@ def test_each_package_imports_only_the_packages_below_it():
         for dep in deps:
             other = dep.split(".")[0]
             if other != top and other not in ALLOWED[top]:
+                bad.append(f"{module} imports {dep}")
+    assert bad == []
+
+
+# Inside nodes/ (the only product package that imports ComfyUI), bottom to top: host (ComfyUI's API and its
+# version differences) -> checks (the input gate, file names) -> model (what a model is, loading it, data
+# against it) -> attention, dataset -> lora -> train, probe -> extension (registration).
+NODES_ALLOWED = {
+    "host": set(),
+    "checks": {"host"},
+    "model": {"host", "checks"},
+    "attention": {"host", "checks", "model"},
+    "dataset": {"host", "checks", "model"},
+    "lora": {"host", "checks", "model", "attention"},
+    "train": {"host", "checks", "model", "attention", "dataset", "lora"},
+    "probe": {"host", "checks", "model", "attention", "lora"},
+    "extension": {"host", "checks", "model", "attention", "dataset", "lora", "train", "probe"},
+}
+
+
+def test_each_node_area_imports_only_the_areas_below_it():
+    graph = _graph()
+    areas = {m.split(".")[1] for m in graph if m.startswith("nodes.")}
+    assert areas == set(NODES_ALLOWED)  # a new area is placed in the order above, not left unchecked
+    bad = []
+    for module, deps in graph.items():
+        if not module.startswith("nodes."):
+            continue
+        area = module.split(".")[1]
+        for dep in deps:
+            if dep.startswith("nodes.") and dep.split(".")[1] not in NODES_ALLOWED[area] | {area}:
                 bad.append(f"{module} imports {dep}")
     assert bad == []
 
@@ -120,5 +157,7 @@ def test_the_layering_test_sees_the_imports_it_guards():
     graph = _graph()
     assert "training.files" in graph["lora.file"]
     assert "lora.layer" in graph["probe.survival"]
-    assert "precision_nodes.load_model" in graph["demo.tiny_models"]
-    assert "precision_nodes.train" in graph["precision_nodes.extension"]
+    assert "nodes.model.load" in graph["demo.tiny_models"]
+    assert "nodes.train.node" in graph["nodes.extension"]
+    assert "nodes.attention.glue" in graph["nodes.lora.glue"]
+    assert "nodes" not in graph["nodes.checks.graph"]  # its ``import nodes`` is ComfyUI's nodes.py

@@ -1,6 +1,6 @@
 """The LoRA metadata route: summary, answers and HTTP statuses (its name checks: test_file_names.py).
 
-precision_nodes/lora_routes.py imports ComfyUI only in register(), so it is imported here through the pack
+nodes/lora/routes.py imports ComfyUI only in register(), so it is imported here through the pack
 root that scripts/pure_packages.py installs.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from pure_packages import PACK
 from safetensors.torch import save_file
 
-lr = importlib.import_module(f"{PACK}.precision_nodes.lora_routes")
-fn = importlib.import_module(f"{PACK}.precision_nodes.file_names")
+lr = importlib.import_module(f"{PACK}.nodes.lora.routes")
+fn = importlib.import_module(f"{PACK}.nodes.checks.file_names")
 
 META = {
     "ss_network_dim": "4",

@@ -15,13 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"precision_{name}", os.path.join(ROOT, "precision_nodes", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"precision_train_{name}", os.path.join(ROOT, "nodes", "train", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-tr, jobs = _module("train_routes"), _module("train_jobs")
+tr, jobs = _module("routes"), _module("jobs")
 
 
 def _drive(job, calls):

@@ -1,0 +1,194 @@
+"""ComfyUI glue for the attention override: binds ComfyUI's arguments and reshapes; nothing else.
+
+``patch_attention(model, cfg)`` returns a clone whose ``transformer_options["optimized_attention_override"]``
+is a ``PrecisionAttentionOverride``. ComfyUI's ``wrap_attn`` calls it as
+``override(func, q, k, v, heads, *rest, **kwargs)`` for every attention call of the model, with ``func``
+the backend ComfyUI selected. Layouts: q/k/v are (B, L, H·D) unless ``skip_reshape`` (then (B, H, L, D));
+the output is (B, L, H·D) unless ``skip_output_reshape`` (then (B, H, L, D)). The mask comes as the
+``mask`` keyword or as the 5th positional argument.
+
+The override views q/k/v as 4-D tensors and hands them to the one call path,
+``attention.dispatch.AttentionDispatcher.run``, which resolves the scale, observes, upcasts and runs the
+chosen backend, or for backend ``auto`` ``func`` itself (bound here as a ``HostAttention``: ``func`` is the
+undecorated backend and kwargs keep ``_inside_attn_wrapper``, so it never re-enters the override).
+
+Keywords newer ComfyUI passes (0.33): ``scale`` (a model's own base scale, which every backend there
+honours) is the base of the default and multiplier modes; ``enable_gqa`` (k/v with fewer heads than q)
+is forwarded to ComfyUI's backend, and our backends get k/v heads repeated; ``low_precision_attention``
+False (the model needs full precision there) runs an explicitly chosen ``sage`` on sdpa for that call.
+Everything else is forwarded untouched.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ...attention.config import AttentionConfig
+from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
+from ...attention.stats import AttentionStats
+from ..host.comfy_compat import has_backward
+
+log = logging.getLogger(__name__)
+
+OVERRIDE_KEY = "optimized_attention_override"
+# ComfyUI's backends take these after (q, k, v, heads), in this order.
+POSITIONAL_NAMES = ("mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+def _bind(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Name the optional arguments whether they came by position or keyword."""
+    if len(rest) > len(POSITIONAL_NAMES):
+        raise TypeError(f"[Precision LoRA] attention override got {4 + len(rest)} positional arguments; expected at most 8")
+    bound = dict(zip(POSITIONAL_NAMES, rest))
+    for name in POSITIONAL_NAMES:
+        if name in kwargs:
+            bound[name] = kwargs[name]
+    return bound
+
+
+def _to_4d(x: torch.Tensor, heads: int, skip_reshape: bool) -> tuple[torch.Tensor, str]:
+    """ComfyUI q/k/v -> (4-D view, layout). (B, H, L, D) stays; (B, L, H·D) becomes (B, L, H, D)."""
+    if skip_reshape:
+        return x, "bhld"
+    b, length, inner = x.shape
+    return x.reshape(b, length, heads, inner // heads), "blhd"  # a view unless x is oddly strided
+
+
+def _to_comfy(x: torch.Tensor, skip_reshape: bool) -> torch.Tensor:
+    """Inverse of ``_to_4d`` (a view): what ComfyUI's backend takes."""
+    return x if skip_reshape else x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def k_heads(k: torch.Tensor, head_dim: int, skip_reshape: bool) -> int:
+    """Heads of a key/value tensor: fewer than the query's under grouped-query attention."""
+    return k.shape[1] if skip_reshape else k.shape[-1] // head_dim
+
+
+def _from_4d(out: torch.Tensor, layout: str, skip_output_reshape: bool) -> torch.Tensor:
+    """Our output (in ``layout``) -> what ComfyUI's backend would return."""
+    if skip_output_reshape:
+        return out if layout == "bhld" else out.transpose(1, 2)
+    blhd = out.transpose(1, 2) if layout == "bhld" else out
+    b, length, heads, dim = blhd.shape
+    return blhd.reshape(b, length, heads * dim)
+
+
+def _out_to_4d(out: torch.Tensor, heads: int, layout: str, skip_output_reshape: bool) -> torch.Tensor:
+    """Inverse of ``_from_4d`` (a view): ComfyUI's output in ``layout``."""
+    if skip_output_reshape:
+        return out if layout == "bhld" else out.transpose(1, 2)
+    blhd = out.reshape(out.shape[0], out.shape[1], heads, -1)
+    return blhd if layout == "blhd" else blhd.transpose(1, 2)
+
+
+def _host(func: Callable[..., torch.Tensor], heads: int, rest: tuple[Any, ...], kwargs: dict[str, Any],
+          bound: dict[str, Any], layout: str) -> HostAttention:
+    """ComfyUI's ``func`` as the dispatcher's host kernel: q/k/v back to ComfyUI's shapes, the (possibly
+    upcast) mask where it came from, every other argument as ComfyUI passed it."""
+    skip, skip_out = bool(bound.get("skip_reshape", False)), bool(bound.get("skip_output_reshape", False))
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        args, named = list(rest), kwargs
+        if args:
+            args[0] = mask
+        elif "mask" in kwargs:
+            named = {**kwargs, "mask": mask}
+        out = func(_to_comfy(q, skip), _to_comfy(k, skip), _to_comfy(v, skip), heads, *args, **named)
+        return _out_to_4d(out, heads, layout, skip_out)
+
+    return HostAttention(getattr(func, "__name__", ""), run, has_backward(func))
+
+
+class PrecisionAttentionOverride:
+    """The callable stored in transformer_options. Deep copies return the same object (ComfyUI deep-copies
+    model options per clone), so clones share its dispatcher and statistics.
+
+    ``observer``: handed every call (as the dispatcher resolved it) before it runs; the probe's twin sets it.
+    """
+
+    def __init__(self, cfg: AttentionConfig, stats: AttentionStats | None = None,
+                 observer: Observer | None = None) -> None:
+        self.dispatcher = AttentionDispatcher(cfg, stats)
+        self.observer = observer
+        self._label_lock = threading.Lock()
+        self._last_options: dict | None = None
+        self._call_index = 0
+
+    @property
+    def cfg(self) -> AttentionConfig:
+        return self.dispatcher.cfg
+
+    def __deepcopy__(self, memo: dict) -> PrecisionAttentionOverride:
+        return self
+
+    def observed_by(self, observer: Observer) -> PrecisionAttentionOverride:
+        """A twin that shares this override's dispatcher (settings, statistics, warnings) and hands every
+        call to ``observer`` as well."""
+        twin = PrecisionAttentionOverride(self.cfg, observer=observer)
+        twin.dispatcher = self.dispatcher
+        return twin
+
+    def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        if self.cfg.is_default() and self.observer is None:
+            return func(q, k, v, heads, *rest, **kwargs)
+        bound = _bind(rest, kwargs)
+        skip = bool(bound.get("skip_reshape", False))
+        q4, layout = _to_4d(q, heads, skip)
+        kv_heads = k_heads(k, q4.shape[-1], skip)
+        out = self.dispatcher.run(
+            q4, _to_4d(k, kv_heads, skip)[0], _to_4d(v, kv_heads, skip)[0], mask=bound.get("mask"), layout=layout,
+            layer=self._layer_label(kwargs.get("transformer_options")), base_scale=kwargs.get("scale"),
+            low_precision=kwargs.get("low_precision_attention") is not False,
+            host=_host(func, heads, rest, kwargs, bound, layout), observer=self.observer)
+        return _from_4d(out, layout, bool(bound.get("skip_output_reshape", False)))
+
+    def _layer_label(self, options: dict | None) -> str:
+        """"double.3" from Flux's block_type/block_index, else "call.N": the N-th call seen with the same
+        transformer_options dict (one dict per model forward)."""
+        if not (self.cfg.collect_stats or self.observer is not None):
+            return "call"
+        if options is not None and "block_type" in options and "block_index" in options:
+            return f"{options['block_type']}.{options['block_index']}"
+        with self._label_lock:
+            if options is not self._last_options:
+                self._last_options, self._call_index = options, 0
+            index = self._call_index
+            self._call_index += 1
+        return f"call.{index}"
+
+
+def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
+    """A clone of the ModelPatcher ``model`` whose every attention call follows ``cfg``.
+
+    The override lives in the clone's model_options only: the shared module is never touched, so
+    bypassing the node (or using the original model) gives stock attention. ``cfg`` was validated when
+    it was built.
+    """
+    clone = model.clone()
+    options = clone.model_options.setdefault("transformer_options", {})
+    options[OVERRIDE_KEY] = PrecisionAttentionOverride(cfg)
+    log.info("[Precision LoRA] attention patched: backend=%s scale_mode=%s scale_value=%s",
+             cfg.backend, cfg.scale_mode, cfg.scale_value)
+    return clone
+
+
+def _override(model: Any) -> PrecisionAttentionOverride | None:
+    options = getattr(model, "model_options", {}).get("transformer_options", {})
+    override = options.get(OVERRIDE_KEY)
+    return override if isinstance(override, PrecisionAttentionOverride) else None
+
+
+def get_attention_config(model: Any) -> AttentionConfig | None:
+    """The AttentionConfig ``patch_attention`` set on ``model`` (None when not patched by this pack)."""
+    override = _override(model)
+    return None if override is None else override.cfg
+
+
+def get_attention_stats(model: Any) -> AttentionStats | None:
+    """The statistics collector of a patched model (filled only when cfg.collect_stats)."""
+    override = _override(model)
+    return None if override is None else override.dispatcher.stats

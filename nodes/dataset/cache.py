@@ -1,0 +1,258 @@
+"""PrecisionCachedTrainingDataset: ComfyUI's Make Training Dataset with an on-disk cache (issue 23 item 3).
+
+Takes what MakeTrainingDataset takes (IMAGE list, VAE, CLIP, texts) and returns what it returns (one LATENT
+and one CONDITIONING per image, the inputs of Train LoRA), encoded by the same VAE / CLIP calls
+(``dataset_cache_glue``). Each latent and each caption's text-encoder output is kept in
+``<base>/cache/precision_lora/dataset/{latents,text}/<sha256>.safetensors``, keyed by the image's pixels
+(hence its resolution) and the VAE's identity, or by the caption, its tokens and the text encoder's identity
+(``training.encode_cache``). A later run, in any workflow and after a server restart, reads the entry
+instead of encoding; a changed image, caption, resolution or encoder has another key. A file that does not
+verify is encoded again and overwritten, never used. The report says how many items were encoded and how
+many came from the cache.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...training.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
+from . import cache_glue as glue
+from ..checks.gate import PrecisionNode
+from ..host.comfy_io import io, ui
+
+log = logging.getLogger(__name__)
+NODE = "PrecisionCachedTrainingDataset"
+MODES = ("use", "rebuild", "off")  # read+write / encode everything and overwrite / no disk at all
+
+
+def _err(message: str) -> ValueError:
+    return ValueError(f"[Precision LoRA] {NODE}: {message}")
+
+
+@dataclass
+class CacheReport:
+    """What one run did: per kind (``latents`` = images, ``text`` = distinct captions) items encoded and
+    read from the cache, entries that failed verification, and why results were not stored (if so)."""
+
+    folder: str
+    mode: str
+    images: int = 0
+    captions: int = 0
+    encoded: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0})
+    cached: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0})
+    rejected: list[str] = field(default_factory=list)
+    not_stored: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        n_img, n_txt = self.encoded["latents"] + self.cached["latents"], self.encoded["text"] + self.cached["text"]
+        parts = [f"{self.images} images ({n_img} distinct): {self.encoded['latents']} encoded, "
+                 f"{self.cached['latents']} from cache",
+                 f"{self.captions} captions ({n_txt} distinct): {self.encoded['text']} encoded, "
+                 f"{self.cached['text']} from cache"]
+        if self.rejected:
+            parts.append(f"{len(self.rejected)} cache entries failed verification and were encoded again")
+        parts += self.not_stored
+        where = "cache off" if self.mode == "off" else f"cache {self.folder}"
+        return "; ".join(parts) + f"; {where} ({self.mode}); {self.seconds:.1f} s"
+
+
+@dataclass
+class _Item:
+    kind: str  # "latents" or "text"
+    key: str
+    source: Any  # the image (B, H, W, 3) or the caption's (text, tokens)
+    value: Any = None  # the latent tensor or the CONDITIONING
+
+
+def _texts(texts: list | None, n: int) -> list[str]:
+    """MakeTrainingDataset's rule: none -> "" for all, one -> for all, else exactly one per image."""
+    texts = list(texts or []) or [""]
+    if len(texts) == 1:
+        return texts * n
+    if len(texts) != n:
+        raise _err(f"input 'texts' has {len(texts)} captions for {n} images; connect one caption per image (the "
+                   "folder loader's texts), a single caption for all, or none")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise _err(f"input 'texts': caption {i} is a {type(t).__name__}, not text; connect STRING captions")
+    return texts
+
+
+def _images(images: list) -> list[torch.Tensor]:
+    if not images:
+        raise _err("input 'images' is empty: connect an image list (LoadImageTextDataSetFromFolder's images)")
+    for i, image in enumerate(images):
+        if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] < 3 or 0 in image.shape:
+            shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+            raise _err(f"input 'images': image {i} (0-based) has shape {shape}; connect IMAGEs (B, H, W, 3 or 4)")
+    return images
+
+
+def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any) -> tuple[list[str], list[str], dict]:
+    """Keys of every image and caption, and the distinct items by key (images before captions)."""
+    vae_id = glue.vae_identity(vae)
+    clip_id = glue.clip_identity(clip)
+    items: dict[str, _Item] = {}
+    image_keys, text_keys = [], []
+    for image in images:
+        key = digest("latents", vae_id, image[:, :, :, :3])
+        items.setdefault(key, _Item("latents", key, image))
+        image_keys.append(key)
+    tokens_of: dict[str, str] = {}
+    for text in texts:
+        if text not in tokens_of:
+            tokens = glue.tokenize(clip, text)
+            tokens_of[text] = key = digest("text", clip_id, text, tokens)
+            items.setdefault(key, _Item("text", key, (text, tokens)))
+        text_keys.append(tokens_of[text])
+    return image_keys, text_keys, items
+
+
+def _read(store: EntryStore, item: _Item, report: CacheReport) -> bool:
+    try:
+        entry = store.load(item.kind, item.key)
+    except BadEntry as exc:
+        log.warning("[Precision LoRA] %s: %s; encoding it again", NODE, exc)
+        report.rejected.append(str(exc))
+        return False
+    if entry is None:
+        return False
+    tensors, layout = entry
+    device = glue.output_device()
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    item.value = tensors["samples"] if item.kind == "latents" else unpack_conditioning(tensors, layout)
+    return True
+
+
+def _encode(item: _Item, vae: Any, clip: Any) -> None:
+    if item.kind == "latents":
+        item.value = glue.encode_image(vae, item.source)
+    else:
+        item.value = glue.encode_tokens(clip, item.source[1])
+
+
+def _write(store: EntryStore, item: _Item, report: CacheReport) -> None:
+    try:
+        if item.kind == "latents":
+            tensors, layout, info = {"samples": item.value}, None, {"image": list(item.source.shape)}
+        else:
+            (tensors, layout), info = pack_conditioning(item.value), {"caption": item.source[0]}
+        store.store(item.kind, item.key, tensors, layout, info)
+    except (NotCacheable, OSError) as exc:
+        note = f"not stored: {item.kind} ({type(exc).__name__}: {exc})"
+        log.warning("[Precision LoRA] %s: %s", NODE, note)
+        if note not in report.not_stored:
+            report.not_stored.append(note)
+
+
+def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, folder: str,
+          node_id: str | None = None, send_text=None) -> tuple[list[dict], list[list], CacheReport]:
+    """The dataset (one LATENT dict and one CONDITIONING per image, in order) and what the cache did."""
+    began = time.monotonic()
+    images = _images(images)
+    texts = _texts(texts, len(images))
+    image_keys, text_keys, items = _plan(images, texts, vae, clip)
+    report = CacheReport(folder, mode, images=len(images), captions=len(texts))
+    store = EntryStore(folder)
+    hooks = glue.clip_hooks(clip)
+    if hooks is not None:
+        report.not_stored.append(hooks)
+    usable = lambda it: mode == "use" and not (it.kind == "text" and hooks)  # noqa: E731
+    todo = [it for it in items.values() if not (usable(it) and _read(store, it, report))]
+    todo.sort(key=lambda it: it.kind != "text")  # captions first: the text encoder leaves memory before the VAE
+    for it in items.values():
+        if it.value is not None:
+            report.cached[it.kind] += 1
+    label = {"text": "caption", "latents": "image"}
+    progress = glue.Progress(NODE, node_id, len(items), {label[k]: sum(it.kind == k for it in todo) for k in label},
+                             send_text)
+    progress.hit(len(items) - len(todo))
+    for it in todo:
+        glue.check_interrupt()
+        t0 = time.monotonic()
+        _encode(it, vae, clip)
+        report.encoded[it.kind] += 1
+        if mode != "off" and not (it.kind == "text" and hooks):
+            _write(store, it, report)
+        progress.encoded_one(label[it.kind], time.monotonic() - t0)
+    latents = [{"samples": items[k].value} for k in image_keys]
+    conditioning = [items[k].value for k in text_keys]
+    report.seconds = time.monotonic() - began
+    return latents, conditioning, report
+
+
+def _node_id(unique_id: Any) -> str | None:
+    from comfy_execution.utils import get_executing_context
+
+    ctx = get_executing_context()
+    found = (ctx.node_id if ctx is not None else None) or unique_id
+    return None if found is None else str(found)
+
+
+def _show_on_node(node_id: str | None):
+    """ComfyUI's progress text under the node (both supported frontends draw it), or None outside a server."""
+    from server import PromptServer
+
+    instance = getattr(PromptServer, "instance", None)
+    if node_id is None or instance is None or not hasattr(instance, "send_progress_text"):
+        return None
+    client = getattr(instance, "client_id", None)
+    return lambda text: instance.send_progress_text(text, node_id, client if isinstance(client, str) else None)
+
+
+class PrecisionCachedTrainingDataset(PrecisionNode):
+    NODE = NODE
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE, display_name="Cached Training Dataset (Precision)", category="precision_lora/data",
+            description="Make Training Dataset with a disk cache: encodes every image with the VAE and every "
+                        "caption with the text encoder exactly as ComfyUI's Make Training Dataset does, keeps each "
+                        "result in <ComfyUI>/cache/precision_lora/dataset, and reads it back on later runs (any "
+                        "workflow, after restarts) instead of encoding again. A changed image, caption, "
+                        "resolution or encoder encodes that item again. Outputs go to Train LoRA's latents and "
+                        "conditioning.",
+            is_input_list=True, is_output_node=True,
+            inputs=[
+                io.Image.Input("images", tooltip="The images to train on (LoadImageTextDataSetFromFolder's images, or "
+                                                 "Precision Resolution Buckets' images)."),
+                io.Vae.Input("vae", tooltip="The VAE that encodes each image to its latent (e.g. Flux's ae)."),
+                io.Clip.Input("clip", tooltip="The text encoder(s) that encode each caption (e.g. DualCLIPLoader's "
+                                              "clip_l + t5xxl)."),
+                io.String.Input("texts", optional=True, force_input=True,
+                                tooltip="The captions: one per image (the folder loader's texts), one for all, or "
+                                        "none (every image gets the empty caption), as Make Training Dataset."),
+                io.Combo.Input("cache", options=list(MODES), default=MODES[0], optional=True,
+                               tooltip="use: read results from the cache and store new ones. rebuild: encode "
+                                       "everything again and overwrite the entries. off: encode without the cache."),
+            ],
+            outputs=[
+                io.Latent.Output(display_name="latents", is_output_list=True,
+                                 tooltip="One LATENT per image, in order: connect to Train LoRA's latents."),
+                io.Conditioning.Output(display_name="conditioning", is_output_list=True,
+                                       tooltip="One CONDITIONING per image, in order: connect to Train LoRA's conditioning."),
+                io.String.Output(display_name="report",
+                                 tooltip="Items encoded and read from the cache, and where the cache is."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, images, vae, clip, texts=None, cache=None) -> io.NodeOutput:
+        mode = (cache or [MODES[0]])[0]
+        node_id = _node_id(getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) else None)
+        folder = glue.cache_folder()
+        latents, conditioning, report = build(images, texts, vae[0], clip[0], mode, folder, node_id,
+                                              _show_on_node(node_id))
+        text = report.summary()
+        log.info("[Precision LoRA] %s: %s", NODE, text)
+        return io.NodeOutput(latents, conditioning, text, ui=ui.PreviewText(text))
+
+
+NODES = [PrecisionCachedTrainingDataset]

@@ -1,0 +1,106 @@
+"""Checks of LATENT and CONDITIONING inputs against the model they are used with (train and probe).
+
+A latent or a conditioning made for another model used to reach the forward and fail there with torch's
+own words ("mat1 and mat2 shapes cannot be multiplied (154x768 and 64x64)", "too many values to unpack").
+These return a phrase ``"<what is wrong>; <fix>"`` (or None) that the node prefixes with its name and input.
+Widths are read from the loaded model (its unet config, or the module that takes the text), so a resized
+or pruned model is checked against what it really takes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .info import describe_model
+
+# Text width the unet config states, per family (others are read from modules or not checked).
+_CONTEXT_KEYS = {"flux": "context_in_dim", "flux2": "context_in_dim", "chroma": "context_in_dim",
+                 "cosmos_predict2": "crossattn_emb_channels"}
+_POOLED_KEYS = {"flux": "vec_in_dim", "chroma": "vec_in_dim"}
+
+# The text encoder each family was trained with, as the user loads it in ComfyUI.
+ENCODERS = {
+    "flux1": "Flux.1 needs CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
+    "flux2": "Flux.2 needs its own text encoder (CLIPLoader, type flux2: Mistral-Small-3 for Flux.2 dev)",
+    "chroma": "Chroma needs T5-XXL (CLIPLoader, type chroma)",
+    "cosmos_predict2": "Cosmos-Predict2 needs the old T5-XXL (CLIPLoader, type cosmos)",
+    "anima": "Anima needs Qwen3 0.6B (CLIPLoader with the Qwen3-0.6B file)",
+}
+
+
+def latent_problem(model: Any, samples: Any) -> str | None:
+    """Why ``samples`` (a LATENT's tensor) does not fit ``model``'s latent space, or None."""
+    fmt = model.model.latent_format
+    want_ndim = 2 + getattr(fmt, "latent_dimensions", 2)
+    channels = fmt.latent_channels
+    if not isinstance(samples, torch.Tensor):
+        return "is not a LATENT with a 'samples' tensor; connect a LATENT (VAE Encode or PrecisionDemoLatent)"
+    if samples.ndim != want_ndim or samples.shape[1] != channels:
+        layout = "(B, C, T, H, W)" if want_ndim == 5 else "(B, C, H, W)"
+        return (f"has shape {tuple(samples.shape)} but this model ({describe_model(model).family}) expects {layout} "
+                f"with C={channels}; encode the images with this model's VAE")
+    if samples.is_floating_point() and not bool(torch.isfinite(samples).all()):
+        return "holds NaN/inf; encode the images again (check the VAE and its dtype)"
+    return None
+
+
+def _config_width(model: Any, keys: dict[str, str]) -> int | None:
+    cfg = model.model.model_config.unet_config
+    key = keys.get(cfg.get("image_model"))
+    value = cfg.get(key) if key else None
+    return int(value) if value else None
+
+
+def context_width(model: Any) -> int | None:
+    """Width of the text conditioning ``model`` takes, or None where it is not known."""
+    width = _config_width(model, _CONTEXT_KEYS)
+    if width is not None:
+        return width
+    adapter = getattr(model.model.diffusion_model, "llm_adapter", None)  # Anima: its adapter reads the text
+    try:
+        return int(adapter.blocks[0].cross_attn.k_proj.weight.shape[1])
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _needs(family: str) -> str:
+    encoder = ENCODERS.get(family)
+    return f"; {encoder}" if encoder else ""
+
+
+def conditioning_problem(model: Any, cond: Any) -> str | None:
+    """Why ``cond`` (one CONDITIONING, every entry) cannot condition ``model``, or None."""
+    if not isinstance(cond, list) or not cond:
+        return "is not a CONDITIONING; connect a text encoder's output (or PrecisionDemoConditioning)"
+    for entry in cond:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not isinstance(entry[0], torch.Tensor) \
+                or not isinstance(entry[1], dict):
+            return "is not a CONDITIONING; connect a text encoder's output (or PrecisionDemoConditioning)"
+    for ctx, extra in (entry[:2] for entry in cond):
+        problem = _entry_problem(model, ctx, extra)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _entry_problem(model: Any, ctx: torch.Tensor, extra: dict) -> str | None:
+    family = describe_model(model).family
+    width = context_width(model)
+    if ctx.ndim != 3 or (width is not None and ctx.shape[-1] != width):
+        expected = f"(B, tokens, {width})" if width else "(B, tokens, width)"
+        got = f"got width {ctx.shape[-1]}" if ctx.ndim == 3 else f"got {ctx.ndim} dimensions"
+        return (f"has context shape {tuple(ctx.shape)} but this model ({family}) expects {expected}: it was encoded "
+                f"for another model; connect conditioning from this model's text encoder (expected width "
+                f"{width if width else 'of this model'}, {got}){_needs(family)}")
+    pooled, want = extra.get("pooled_output"), _config_width(model, _POOLED_KEYS)
+    if want is not None and family == "flux1" and not isinstance(pooled, torch.Tensor):
+        return (f"has no pooled_output, which this model ({family}) reads (width {want}, from CLIP-L): it was "
+                f"encoded for another model; connect conditioning from this model's text encoder{_needs(family)}")
+    if want is not None and isinstance(pooled, torch.Tensor) and pooled.shape[-1] != want:
+        return (f"has pooled_output shape {tuple(pooled.shape)} but this model ({family}) expects width {want}: "
+                f"it was encoded for another model; connect conditioning from this model's text encoder "
+                f"(expected width {want}, got width {pooled.shape[-1]}){_needs(family)}")
+    if ctx.is_floating_point() and not bool(torch.isfinite(ctx).all()):
+        return "holds NaN/inf; encode the prompt again (check the text encoder and its dtype)"
+    return None

@@ -1,0 +1,140 @@
+"""PrecisionLoadDiffusionModel: load a diffusion model file into weights training can use."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+import comfy.model_detection
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sd
+import comfy.utils
+import folder_paths
+
+from ..checks.gate import PrecisionNode
+from ..host.comfy_compat import fit_flux_config, set_reload
+from ..host.comfy_io import io
+from .info import UNET_CONFIG_KEY, describe_model
+
+log = logging.getLogger(__name__)
+
+NODE = "PrecisionLoadDiffusionModel"
+WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
+    "default": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+}
+
+
+def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
+                            dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
+    """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given).
+
+    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another)."""
+    if unet_config.get("image_model") in ("flux", "flux2"):
+        unet_config = fit_flux_config(unet_config)
+    model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
+    if model_config is None:
+        raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
+    load_device = comfy.model_management.get_torch_device()
+    if dtype is None:
+        dtype = comfy.model_management.unet_dtype(supported_dtypes=list(model_config.supported_inference_dtypes))
+    manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, model_config.supported_inference_dtypes)
+    model_config.set_inference_dtype(dtype, manual_cast)
+    model = model_config.get_model(state_dict or {}, "")
+    model = model.to(comfy.model_management.unet_offload_device())
+    if state_dict is not None:
+        model.load_model_weights(state_dict, "")
+    return comfy.model_patcher.ModelPatcher(
+        model, load_device=load_device, offload_device=comfy.model_management.unet_offload_device()
+    )
+
+
+def _read_file(path: str) -> tuple[dict, dict]:
+    if not os.path.isfile(path):
+        raise ValueError(f"[Precision LoRA] {NODE}: model file {path!r} does not exist; "
+                         "put the file into models/diffusion_models and refresh")
+    try:
+        sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
+    except Exception as exc:  # corrupt / truncated / not a tensor file
+        raise ValueError(f"[Precision LoRA] {NODE}: cannot read {os.path.basename(path)!r} as a model file "
+                         f"({type(exc).__name__}: {exc}); re-download or choose another file") from exc
+    return sd, metadata or {}
+
+
+def load_model_file(path: str, weight_dtype: str = "default"):
+    """Load a diffusion model file as a ModelPatcher whose weights are ordinary (non-inference) tensors.
+
+    Files that carry ``precision_lora.unet_config`` metadata (tiny test/demo models) are built from that
+    config; everything else goes through ComfyUI's stock detection.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"[Precision LoRA] {NODE}: weight_dtype {weight_dtype!r} unknown; "
+                         f"choose one of {', '.join(WEIGHT_DTYPES)}")
+    dtype = WEIGHT_DTYPES[weight_dtype]
+    # Nodes run under inference_mode; tensors created there cannot be saved for backward.
+    with torch.inference_mode(False):
+        sd, metadata = _read_file(path)
+        if UNET_CONFIG_KEY in metadata:
+            model = build_model_from_config(json.loads(metadata[UNET_CONFIG_KEY]), sd, dtype)
+        else:
+            try:
+                model = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": dtype} if dtype else {}, metadata)
+            except Exception as exc:
+                raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} failed to load as a "
+                                 f"diffusion model ({type(exc).__name__}: {exc})") from exc
+    if model is None:
+        raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} is not a diffusion model ComfyUI "
+                         "recognises (no model type detected); choose a diffusion model (UNet/DiT) file")
+    return set_reload(model, _reload, path, weight_dtype)
+
+
+def _reload(path: str, weight_dtype: str, disable_dynamic: bool = False):
+    """The same file loaded again, for ComfyUI's deep copies of the model (``comfy_compat.set_reload``)."""
+    return load_model_file(path, weight_dtype)
+
+
+class PrecisionLoadDiffusionModel(PrecisionNode):
+    NODE = NODE
+    FILE_LIST_INPUTS = {"model_name": "models/diffusion_models"}
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=NODE,
+            display_name="Load Diffusion Model (Precision)",
+            category="precision_lora/loaders",
+            description="Loads a diffusion model from models/diffusion_models for training or inference. "
+                        "Weights are ordinary tensors (usable by autograd). Reports family, heads and head_dim.",
+            inputs=[
+                io.Combo.Input("model_name", options=folder_paths.get_filename_list("diffusion_models"),
+                               tooltip="File in models/diffusion_models."),
+                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
+                               tooltip="Storage dtype of the base weights. 'default' lets ComfyUI choose for "
+                                       "your device; fp32 is the most exact (and largest)."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The loaded diffusion model."),
+                io.String.Output(display_name="info",
+                                 tooltip="Family, attention heads, head_dim and default softmax scale."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model_name: str, weight_dtype: str) -> io.NodeOutput:
+        path = folder_paths.get_full_path("diffusion_models", model_name)
+        if path is None:
+            raise ValueError(f"[Precision LoRA] {NODE}: model_name {model_name!r} is not in models/diffusion_models; "
+                             "put the file there and refresh the node list")
+        model = load_model_file(path, weight_dtype)
+        info = describe_model(model)
+        log.info("[Precision LoRA] loaded %s: %s", model_name, info.describe().replace("\n", "; "))
+        return io.NodeOutput(model, info.describe())
+
+
+NODES = [PrecisionLoadDiffusionModel]

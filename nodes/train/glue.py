@@ -1,0 +1,256 @@
+"""ComfyUI glue for training: model -> ModelFns, data -> Samples, model management, job control.
+
+Everything ComfyUI-specific that the pure loop (``training.loop``) needs is built here:
+- ``model_fns``: predict / sigma_of_u / noise_latent / target from the model's own ``model_sampling``
+  (velocity for flow models, noise for eps/v models) and ``apply_model`` with the patcher's
+  ``transformer_options`` (so the attention override applies during training);
+- ``training_session``: load through ComfyUI's model management, copy inference-mode weights (stock
+  loaders) out of inference mode once, freeze base weights, autograd on, in-place-safe saved tensors on
+  Flux-like families, optional block checkpointing; unload afterwards;
+- ``fork_lora``: the output MODEL gets its own copy of the LoRA set, so a chained node never mutates
+  the LoRA of an upstream (cached) output;
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+
+import comfy.model_management as mm
+import comfy.model_sampling as cms
+
+from ...training.checkpoint import TrainingState, write_checkpoint
+from ...training.grad import autograd_enabled, checkpoint_blocks, clone_saved_tensors, find_block_lists
+from ...training.guard import assert_finite
+from ...lora.layer import LoRASet
+from ...lora.file import default_key_style, lora_state_dict, save_lora_file
+from ...training.loop import ModelFns
+from ...training.settings import TrainSettings
+from . import checkpoint_files
+from ..host.comfy_compat import model_gradients
+from ..lora.glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
+from ..model.info import describe_model
+
+log = logging.getLogger(__name__)
+
+# Families whose blocks add residuals out of place, so autograd's saved tensors need no copies; every
+# other family, unknown ones included, is treated as adding in place (Flux does).
+# Anima: Cosmos-Predict2 blocks + an LLM adapter whose blocks add out of place (tests/comfy/test_anima.py).
+CLEAN_FAMILIES = {"cosmos_predict2", "anima", "qwen_image", "wan", "lumina2", "sd3"}
+BLOCK_LISTS = ("double_blocks", "single_blocks", "blocks", "transformer_blocks", "layers", "joint_blocks")
+
+
+def needs_in_place_fix(model: Any) -> bool:
+    """True unless the family is known to have no in-place residual adds."""
+    return describe_model(model).family not in CLEAN_FAMILIES
+
+
+def flow_kind(model_sampling: Any) -> str:
+    """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM). ValueError otherwise."""
+    if isinstance(model_sampling, cms.CONST):
+        return "rflow"
+    if isinstance(model_sampling, cms.COSMOS_RFLOW):
+        return "cosmos"
+    if isinstance(model_sampling, cms.X0):
+        raise ValueError("[Precision LoRA] PrecisionTrainLoRA: x0-prediction models are not supported for training")
+    if isinstance(model_sampling, cms.EPS):
+        return "eps"
+    raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: unsupported model sampling {type(model_sampling).__name__}")
+
+
+def resolve_target(settings: TrainSettings, kind: str) -> str:
+    target = settings.target
+    if target == "auto":
+        return "noise" if kind == "eps" else "velocity"
+    if target == "velocity" and kind == "eps":
+        raise ValueError("[Precision LoRA] PrecisionTrainSettings: target='velocity' needs a flow-matching model; "
+                         "this model predicts noise: use target 'auto' or 'noise'")
+    return target
+
+
+def _bcast(sigma: torch.Tensor, ndim: int) -> torch.Tensor:
+    return sigma.view(sigma.shape[0], *([1] * (ndim - 1)))
+
+
+def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, device: torch.device) -> ModelFns:
+    """The model as pure callables for ``training.loop.train`` (see ``ModelFns`` for shapes).
+
+    ``lora_set`` None: no ``predict_base`` (DOP unavailable)."""
+    base = model.model
+    ms = base.model_sampling
+    kind = flow_kind(ms)
+    target_kind = resolve_target(settings, kind)
+    topts = model.model_options.get("transformer_options", {})
+    in_place_fix = needs_in_place_fix(model)
+
+    def flow_time(sigma: torch.Tensor) -> torch.Tensor:
+        return sigma / (sigma + 1.0) if kind == "cosmos" else sigma
+
+    def denoised(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        ctx = clone_saved_tensors() if in_place_fix else contextlib.nullcontext()
+        with ctx:
+            return base.apply_model(x_t, sigma, transformer_options=dict(topts), **cond).float()
+
+    def predict(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        x0_hat = denoised(x_t, sigma, cond)
+        s = _bcast(sigma, x_t.ndim)
+        if target_kind == "noise":
+            return (x_t - x0_hat) / s
+        return (ms.calculate_input(sigma, x_t) - x0_hat) / _bcast(flow_time(sigma), x_t.ndim)
+
+    def predict_base(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+        assert lora_set is not None
+        saved = {p: a.multiplier for p, a in lora_set.adapters().items()}
+        lora_set.set_multiplier(0.0)
+        try:
+            return predict(x_t, sigma, cond)
+        finally:
+            for p, a in lora_set.adapters().items():
+                a.multiplier = saved[p]
+
+    def sigma_of_u(u: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([float(ms.percent_to_sigma(1.0 - float(v))) for v in u], dtype=torch.float32,
+                            device=device)
+
+    def noise_latent(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return ms.noise_scaling(_bcast(sigma, x0.ndim), noise, x0)
+
+    def target(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        return noise if target_kind == "noise" else noise - x0
+
+    from comfy.samplers import cond_cat
+
+    return ModelFns(predict=predict, predict_base=predict_base if lora_set is not None else None, sigma_of_u=sigma_of_u, noise_latent=noise_latent,
+                    target=target, collate=lambda conds: cond_cat(conds), device=device)
+
+
+def fork_lora(model: Any, node: str = "PrecisionTrainLoRA") -> tuple[Any, LoRASet]:
+    """A clone of ``model`` whose attached LoRA set is a fresh copy (same values, dropout RNG, config).
+
+    Object patches holding adapters of the old set are rebuilt to hold the copy's adapters; adapters of
+    other LoRA sets stacked on the same layer (e.g. a loaded LoRA) are kept as they are.
+    """
+    old = model.get_attachment(ATTACHMENT_KEY)
+    if old is None:
+        raise ValueError(f"[Precision LoRA] {node}: the model has no LoRA attached; "
+                         "put PrecisionAttachLoRA between the model loader and this node")
+    with torch.inference_mode(False):
+        new = old.copy()
+    swap = {id(a): b for a, b in zip(old.adapters().values(), new.adapters().values())}
+    out = model.clone()
+    for key, patch in list(out.object_patches.items()):
+        if isinstance(patch, LoRAForward) and any(id(a) in swap for a in patch.adapters):
+            out.object_patches[key] = LoRAForward(patch.module, [swap.get(id(a), a) for a in patch.adapters])
+    out.set_attachments(ATTACHMENT_KEY, new)
+    return out, new
+
+
+def _unload(model: Any) -> None:
+    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+        if mm.current_loaded_models[i].model is model:
+            mm.current_loaded_models[i].model_unload()
+            mm.current_loaded_models.pop(i)
+    mm.soft_empty_cache()
+
+
+def normal_weights(dm: torch.nn.Module) -> int:
+    """Replace every inference-tensor parameter and buffer of ``dm`` by an ordinary copy, in place in the
+    module (ComfyUI itself swaps Parameter objects when it patches weights); returns how many.
+
+    Weights that ComfyUI's own loaders (``UNETLoader``) create inside a node are inference tensors (so are
+    the device copies model management makes when it loads a model inside a node), which autograd refuses
+    to save for backward. Converted once per load here, a layer's forward no longer has to copy its weight
+    on every call (a whole-model copy per step, all of it held until backward). Values, dtypes,
+    devices and ``requires_grad`` flags are unchanged, and a tensor two modules share stays shared. Each old
+    tensor is freed as its copy is made (tied ones after the pass), so the peak grows by about one tensor.
+    """
+    slots = [(table, attr) for module in dm.modules() for table in (module._parameters, module._buffers)
+             for attr, t in table.items() if t is not None and t.is_inference()]
+    uses = collections.Counter(id(table[attr]) for table, attr in slots)  # all alive: ids are unique here
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied tensors: (old, kept alive; copy)
+    with torch.inference_mode(False):
+        for table, attr in slots:
+            old = table[attr]
+            if uses[id(old)] > 1:
+                if id(old) not in shared:
+                    shared[id(old)] = (old, _ordinary_copy(old))
+                table[attr] = shared[id(old)][1]
+            else:
+                table[attr] = _ordinary_copy(old)
+            del old
+    return len(uses)
+
+
+def _ordinary_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = t.clone()  # outside inference mode: an ordinary tensor
+    return torch.nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copy
+
+
+@contextlib.contextmanager
+def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
+    """Load ``model`` (with its object patches) through model management, make its weights ordinary
+    tensors (``normal_weights``), freeze them, enable autograd and make ComfyUI's model code differentiable
+    (``comfy_compat.model_gradients``), optionally checkpoint blocks for the body; undo all of it but the
+    weight conversion on exit (also on error, stop and cancel). Yields the device."""
+    mm.load_models_gpu([model], force_full_load=True)
+    device = model.load_device
+    dm = model.model.diffusion_model
+    converted = normal_weights(dm)
+    if converted:
+        log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
+                 "(once per load)", converted)
+    frozen = [(p, p.requires_grad) for p in dm.parameters()]
+    with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
+        lora_set.to(device)
+    try:
+        with autograd_enabled(), model_gradients():
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            # The last block is left out: backward needs its activations first, so recomputing them would
+            # cost a block's forward without lowering the peak (bench/train.py measures both).
+            blocks = find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
+            with checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng):
+                yield device
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+        _unload(model)
+
+
+# ---- checkpoint files (where: checkpoint_files) ----
+
+CHECKPOINT_SUBDIR = checkpoint_files.LEGACY_SUBDIR
+
+
+def checkpoint_dir() -> str:
+    """The old checkpoint folder ``output/precision_lora/checkpoints``: PrecisionSaveLoRA's states, and
+    checkpoints of earlier versions, which ``resume_from`` still finds."""
+    return checkpoint_files.legacy_dir()
+
+
+def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[TrainingState, str], str]:
+    """``save_checkpoint`` hook: ``<loras>/<name>/<name>_step<step>.{trainstate,safetensors}`` (``checkpoint_files``).
+
+    The LoRA file has the ``PrecisionSaveLoRA`` keys and metadata (plus the step and the reason)."""
+    family = describe_model(model).family
+
+    def save(state: TrainingState, reason: str) -> str:
+        def write_lora(path: str) -> str:
+            tensors = lora_state_dict(lora_set, default_key_style(family), "fp32")
+            assert_finite(tensors, f"LoRA checkpoint {os.path.basename(path)}")
+            md = build_lora_metadata(model, lora_set, {"ss_steps": state.step, "precision_lora_checkpoint": reason})
+            return save_lora_file(path, tensors, md)
+
+        return write_checkpoint(checkpoint_files.checkpoint_base(name, state.step), state, write_lora)
+
+    return save
+
+
+def resolve_resume(name: str) -> checkpoint_files.ResumePick:
+    """The state file (and the LoRA it must match) for ``name``: a checkpoint as the LoRA loaders list it, its
+    absolute path, or a file name in the old checkpoint folder. ValueError with the right form otherwise."""
+    return checkpoint_files.resolve_resume(name)

@@ -1,0 +1,383 @@
+"""PrecisionTrainSettings and PrecisionTrainLoRA: thin V3 nodes over ``training.loop``.
+
+Defaults come from ``TrainSettings``; every option list from the registry that implements it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Mapping
+
+import comfy.model_management as mm
+import comfy.utils
+
+from ...training import optim, sampling
+from ...training.checkpoint import TrainingState
+from ...training.loop import Hooks, StepReport, train
+from ...training.settings import NAN_POLICIES, TrainSettings
+from ..checks.gate import PrecisionNode
+from ..host.comfy_io import io
+from .captions import with_empty_caption
+from .data import build_dataset
+from .checkpoint_files import verify_resume
+from ..checks.graph import refusal
+from .glue import checkpoint_writer, fork_lora, model_fns, training_session
+from .jobs import finish_job, start_job, stopped_runs
+from .preview import PreviewStepHook, make_previewer, node_outputs
+from .states import continued_state, exploded_note, set_aside_exploded, training_metadata
+from ..host.types import LossMapType, PreviewSettingsType, TrainingStateType, TrainSettingsType
+
+log = logging.getLogger(__name__)
+DEFAULTS = TrainSettings()
+CATEGORY = "precision_lora/train"
+
+
+def _node_error(node: str, exc: Exception) -> ValueError:
+    msg = str(exc).replace("[Precision LoRA] ", "", 1)
+    return ValueError(f"[Precision LoRA] {node}: {msg}")
+
+
+def _float(name: str, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
+    return io.Float.Input(name, default=getattr(DEFAULTS, name), min=lo, max=hi, step=step, tooltip=tip)
+
+
+def _int(name: str, lo: int, hi: int, tip: str) -> io.Int.Input:
+    return io.Int.Input(name, default=getattr(DEFAULTS, name), min=lo, max=hi, step=1, tooltip=tip)
+
+
+def _combo(name: str, options: list[str], tip: str) -> io.Combo.Input:
+    return io.Combo.Input(name, options=options, default=getattr(DEFAULTS, name), tooltip=tip)
+
+
+def _optimizer_tip() -> str:
+    rows = [f"{n}: {reason or 'available'}" for n, reason in optim.available().items()]
+    return "Optimizer. " + "; ".join(rows)
+
+
+def _settings_inputs() -> list:
+    return [
+        _combo("optimizer", list(optim.OPTIMIZERS), _optimizer_tip()),
+        _float("learning_rate", 0.0, 10.0, 1e-6, "Base learning rate (> 0). LoRA: 1e-5 .. 1e-3; Prodigy: 1.0."),
+        _float("weight_decay", 0.0, 1.0, 1e-4, "Decoupled weight decay (AdamW) / L2 (SGD, Adafactor)."),
+        _float("beta1", 0.0, 0.9999, 1e-4, "Adam beta1 / SGD momentum."),
+        _float("beta2", 0.0, 0.99999, 1e-5, "Adam beta2."),
+        _float("eps", 1e-12, 1e-3, 1e-9, "Adam epsilon."),
+        _combo("lr_schedule", list(optim.SCHEDULES), "Learning-rate schedule; decaying ones reach 0 at schedule_steps."),
+        _int("warmup_steps", 0, 100000, "Linear warmup steps (not with 'constant')."),
+        _int("schedule_steps", 1, 1000000, "Horizon of linear/cosine schedules in optimizer steps (whole run, all chained nodes)."),
+        _int("restarts", 1, 100, "Cycles of cosine_with_restarts."),
+        _float("loraplus_ratio", 0.01, 100.0, 0.01, "LoRA+: lr of lora_up = lr x ratio (1 = plain LoRA, ~16 typical)."),
+        _int("batch_size", 1, 256, "Samples per micro-batch (capped at the dataset size)."),
+        _int("grad_accum", 1, 1024, "Micro-batches per optimizer step (the loss is averaged)."),
+        _float("max_grad_norm", 0.0, 1000.0, 0.01, "Clip the gradient norm to this (0 = no clipping)."),
+        _combo("timestep_sampling", list(sampling.TIMESTEP_SAMPLERS),
+               "Where on the noise schedule to train: " + "; ".join(f"{k}: {v}" for k, v in sampling.TIMESTEP_SAMPLERS.items())),
+        _float("logit_mean", -5.0, 5.0, 0.01, "logit_normal: mean of the logit of u (u = noise fraction)."),
+        _float("logit_std", 0.01, 5.0, 0.01, "logit_normal: std of the logit of u."),
+        _float("sigmoid_scale", 0.01, 10.0, 0.01, "sigmoid: u = sigmoid(scale * z)."),
+        _float("shift", 0.01, 20.0, 0.01, "shift: u = s r / (1 + (s-1) r); > 1 favours high noise."),
+        _combo("loss_weighting", list(sampling.LOSS_WEIGHTINGS),
+               "Per-sample loss weight: " + "; ".join(f"{k}: {v}" for k, v in sampling.LOSS_WEIGHTINGS.items())),
+        _combo("target", list(sampling.TARGETS), "Regression target: " + "; ".join(f"{k}: {v}" for k, v in sampling.TARGETS.items())),
+        _float("dop_multiplier", 0.0, 100.0, 0.01, "DOP: weight of mse(pred with LoRA, pred without LoRA) on the class conditioning (0 = off)."),
+        _int("dop_every_n", 1, 1000, "DOP every n optimizer steps (amortises its two extra forwards)."),
+        _int("checkpoint_every", 0, 1000000, "Write a checkpoint every N optimizer steps into models/loras/<name>/ (0 = only on stop/cancel)."),
+        _combo("nan_policy", list(NAN_POLICIES), "; ".join(f"{k}: {v}" for k, v in NAN_POLICIES.items())),
+        _int("nan_patience", 1, 100, "Non-finite steps in a row before rollback / stop."),
+        io.Boolean.Input("gradient_checkpointing", default=DEFAULTS.gradient_checkpointing,
+                         tooltip="Recompute every transformer block but the last in backward: far less activation "
+                                 "memory for more time per step (bench/train.py measures both)."),
+        # Optional: API workflows saved before this input existed still validate (and get the default, off).
+        io.Float.Input("caption_dropout", default=DEFAULTS.caption_dropout, min=0.0, max=1.0, step=0.01, optional=True,
+                       tooltip="Probability of training a sample on the empty caption at each step (seeded; 0 = "
+                               "off, 0.05 .. 0.1 typical). Needs empty_conditioning on Train LoRA."),
+    ]
+
+
+class PrecisionTrainSettings(PrecisionNode):
+    NODE = "PrecisionTrainSettings"
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PrecisionTrainSettings", display_name="Precision Train Settings", category=CATEGORY,
+            description="Optimizer, LR schedule, accumulation, clipping, timestep sampling, loss weighting, DOP, "
+                        "checkpoints and NaN policy for PrecisionTrainLoRA.",
+            inputs=_settings_inputs(),
+            outputs=[TrainSettingsType.Output(display_name="settings")],
+        )
+
+    @classmethod
+    def check(cls, values: dict) -> str | None:
+        """Rules across inputs (warmup vs schedule, ...) and whether the optimizer is installed."""
+        fields = [f for f in DEFAULTS.to_dict() if f in values]  # an optional input left out takes its default
+        if any(values[f] is None for f in fields):
+            return None  # a linked input: checked again when the node runs
+        built = build_settings({f: values[f] for f in fields})
+        return built if isinstance(built, str) else None
+
+    @classmethod
+    def execute(cls, **kwargs: Any) -> io.NodeOutput:
+        built = build_settings(kwargs)
+        if isinstance(built, str):
+            raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: {built}")
+        return io.NodeOutput(built)
+
+
+def build_settings(values: Mapping[str, Any]) -> TrainSettings | str:
+    """The settings ``values`` describe, or why they cannot train here (invalid, or the optimizer is not
+    installed) with the fix."""
+    try:
+        settings = TrainSettings(**values)
+    except ValueError as exc:
+        return str(exc).replace("[Precision LoRA] ", "", 1)
+    reason = optim.available()[settings.optimizer]
+    if reason is not None:
+        return f"input 'optimizer'={settings.optimizer!r} is {reason}, or choose 'adamw'"
+    return settings
+
+
+def _send(event: str, data: dict) -> None:
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is not None:
+        instance.send_sync(event, data, getattr(instance, "client_id", None))
+
+
+def _console(line: str) -> None:
+    """The progress line to ComfyUI's log; under the headless runner to its console instead (its stand-in
+    server takes the line), so a headless run prints each report once."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        PromptServer = None
+    take = getattr(getattr(PromptServer, "instance", None), "precision_lora_console", None)
+    if callable(take):
+        take(line)
+    else:
+        log.info(line)
+
+
+def _show_on_node(text: str, node_id: str | None) -> None:
+    """Text under the node in the page for the rest of the run: ComfyUI's progress text, which both supported
+    frontends draw as a read-only text widget on the executing node (ComfyUI's own nodes show sizes with it)."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is not None and node_id is not None and hasattr(instance, "send_progress_text"):
+        instance.send_progress_text(text, node_id, _client_id())
+
+
+def _client_id() -> str | None:
+    """The client that queued the running prompt (ComfyUI sets it on the server while a prompt executes)."""
+    try:
+        from server import PromptServer
+    except ImportError:  # pragma: no cover - ComfyUI always has server
+        return None
+    client = getattr(getattr(PromptServer, "instance", None), "client_id", None)
+    return client if isinstance(client, str) and client else None
+
+
+def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
+    from comfy_execution.utils import get_executing_context
+
+    ctx = get_executing_context()
+    node_id = (ctx.node_id if ctx is not None else None) or unique_id
+    return (None if node_id is None else str(node_id)), (ctx.prompt_id if ctx is not None else None)
+
+
+class ConsoleLine:
+    """One console line every ``every`` steps (a twentieth of the run), or after ``seconds`` without one,
+    and at the last step: step, loss smoothed over the recent steps, lr, it/s and time left."""
+
+    def __init__(self, steps: int, start: int, seconds: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.steps, self.start, self.seconds, self.clock = steps, start, seconds, clock
+        self.every = max(1, steps // 20)
+        self.began = self.last = clock()
+        self.smooth, self.weight = 0.0, 0.0
+
+    def line(self, r: StepReport) -> str | None:
+        if r.loss is not None and math.isfinite(r.loss):  # skipped / non-finite steps do not move the average
+            self.smooth, self.weight = 0.9 * self.smooth + 0.1 * r.loss, 0.9 * self.weight + 0.1
+        now = self.clock()
+        if r.local_step % self.every and r.local_step < self.steps and now - self.last < self.seconds:
+            return None
+        self.last = now
+        rate = r.local_step / max(now - self.began, 1e-9)
+        eta = (self.steps - r.local_step) / rate if rate > 0 else 0.0
+        loss = f"{self.smooth / self.weight:.4g}" if self.weight else "n/a"
+        return (f"[Precision LoRA] PrecisionTrainLoRA: step {r.step}/{self.start + self.steps} loss {loss} "
+                f"(smoothed) lr {r.lr:.3g} {rate:.2f} it/s ETA {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, start: int) -> Callable[[StepReport], str | None]:
+    pbar = comfy.utils.ProgressBar(steps, node_id=node_id)
+    console = ConsoleLine(steps, start)
+
+    def on_step(r: StepReport) -> str | None:
+        line = console.line(r)
+        if line is not None:
+            _console(line)
+        point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
+        job.add_point(point)
+        _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
+        if mm.processing_interrupted():
+            return "interrupt"  # the loop saves a checkpoint first; the node raises afterwards
+        try:
+            pbar.update_absolute(r.local_step, steps)  # ComfyUI's hook raises if cancel came just now
+        except mm.InterruptProcessingException:
+            return "interrupt"
+        return job.take_request()
+
+    return on_step
+
+
+def _flat(value: Any, default: Any = None) -> Any:
+    return value[0] if isinstance(value, list) and value else default
+
+
+class PrecisionTrainLoRA(PrecisionNode):
+    NODE = "PrecisionTrainLoRA"
+    # resume_from is checked by check() (checkpoint_files.resolve_resume): it also takes the absolute path the
+    # node shows, which the general file-name rule refuses.
+    FILE_NAME_INPUTS = {"name": (False, False)}
+
+    @classmethod
+    def fingerprint_inputs(cls, **_: Any) -> int:
+        return stopped_runs()  # changes when a run ends early: its partial result is never served from cache
+
+    @classmethod
+    def check(cls, values: dict) -> str | None:
+        for name in ("empty_conditioning", "class_conditioning"):  # rules across nodes (graph_checks)
+            refused = refusal(values.get(name))
+            if refused:
+                return refused
+        resume = values.get("resume_from") or ""
+        if not resume.strip():
+            return None
+        if "training_state" in values:  # connected: a link has no value yet while ComfyUI validates
+            return (f"input 'resume_from'={resume!r} and input 'training_state' are both set; "
+                    "clear resume_from or disconnect training_state")
+        if not isinstance(resume, str):
+            return f"input 'resume_from'={resume!r} is not text; give a checkpoint name or leave it empty"
+        try:
+            verify_resume(resume.strip())
+        except ValueError as exc:
+            return str(exc).replace("[Precision LoRA] PrecisionTrainLoRA: ", "", 1)
+        return None
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="PrecisionTrainLoRA", display_name="Precision Train LoRA", category=CATEGORY,
+            description="Trains the attached LoRA for N optimizer steps. Chain two of these (model + training_state) "
+                        "to continue exactly where the first stopped; cancel writes a checkpoint first.",
+            is_input_list=True,
+            inputs=[
+                io.Model.Input("model", tooltip="A model with a LoRA attached by PrecisionAttachLoRA (or a previous PrecisionTrainLoRA)."),
+                io.Latent.Input("latents", tooltip="One LATENT batch, or the list of LATENTs from ComfyUI's dataset nodes."),
+                io.Conditioning.Input("conditioning", tooltip="One conditioning for all samples, one per sample, or one per LATENT."),
+                io.Int.Input("steps", default=100, min=1, max=1000000, step=1, tooltip="Optimizer steps this node runs (> 0)."),
+                io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, step=1,
+                             tooltip="Seeds data order, timesteps and noise for a new run; a continued run keeps the state's generator."),
+                io.String.Input("name", default="precision_lora", tooltip="Run name: checkpoints are written as models/loras/<name>/<name>_step<N>.safetensors (every LoRA loader lists them) with their training state <name>_step<N>.trainstate beside them."),
+                TrainSettingsType.Input("settings", optional=True, tooltip="From PrecisionTrainSettings; defaults when not connected."),
+                io.Conditioning.Input("class_conditioning", optional=True, tooltip="Class prompt (without trigger) for DOP."),
+                TrainingStateType.Input("training_state", optional=True, tooltip="Continue from a previous PrecisionTrainLoRA."),
+                io.String.Input("resume_from", default="", optional=True,
+                                tooltip="Checkpoint to resume from, as LoRA lists name it (e.g. my_run/my_run_step000100.safetensors, or a LoRA saved by Save LoRA with its training_state), or its full path as this node shows it (empty = none). Changed settings take effect; the optimizer must be the same."),
+                PreviewSettingsType.Input("preview", optional=True,
+                                          tooltip="From PrecisionPreviewSettings: sample images every N steps, shown on this node and saved as output/precision_lora/previews/<name>/<name>_step<N>_<i>.png. Training is identical with or without."),
+                io.Conditioning.Input("empty_conditioning", optional=True,
+                                      tooltip="The empty caption (CLIPTextEncode with an empty text) for caption_dropout in the settings; needed only when caption_dropout > 0."),
+            ],
+            outputs=[
+                io.Model.Output(display_name="model", tooltip="The model with the trained LoRA active."),
+                TrainingStateType.Output(display_name="training_state", tooltip="Connect to the next PrecisionTrainLoRA to continue."),
+                LossMapType.Output(display_name="loss_map", tooltip="Loss history of the whole run ({'loss': [...]})."),
+                io.Int.Output(display_name="steps", tooltip="Optimizer steps done in the whole run."),
+                io.Image.Output(display_name="previews", tooltip="The images of the latest preview (a black 64 x 64 image without 'preview')."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
+                training_state=None, resume_from=None, preview=None, empty_conditioning=None) -> io.NodeOutput:
+        model, steps, seed, name = model[0], steps[0], seed[0], name[0]
+        cfg = _flat(settings, DEFAULTS)  # validated when it was built
+        resume = (_flat(resume_from, "") or "").strip()
+        cont = continued_state(_flat(training_state), resume, cfg)
+        state = cont.state
+        out, lora_set = fork_lora(model)
+        hidden = getattr(cls, "hidden", None)
+        node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
+        start = state.step if state is not None else 0
+        previewer = make_previewer(out, lora_set, preview, name, node_id, start, steps)
+        job = start_job(node_id, prompt_id, [] if state is None else [
+            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], _client_id())
+        on_step = _step_hook(job, node_id, prompt_id, steps, start)
+        hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
+                      save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
+                      is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
+        result = None
+        try:
+            result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
+                          empty_conditioning, node_id, cont.changes)
+        finally:
+            finish_job(job, stopped=result is not None and result.stopped)
+        outcome = result.outcome
+        moved, kept = set_aside_exploded(result.checkpoints) if not outcome.ok else ([], result.checkpoints)
+        checkpoint = kept[-1] if kept else None
+        lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
+        lora_set.info["precision_lora_outcome"] = outcome.summary()
+        _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
+                                            "stopped": result.stopped, "checkpoint": checkpoint,
+                                            "failed": not outcome.ok, "outcome": outcome.summary(),
+                                            "resumed_from": cont.pick.name if cont.pick else None})
+        if result.reason == "interrupt":
+            mm.interrupt_current_processing(False)
+            raise mm.InterruptProcessingException()
+        if previewer is not None:
+            previewer.raise_if_failed(checkpoint)
+        if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
+            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
+                             f"{exploded_note(moved, kept)}")
+        images, shown = node_outputs(previewer)
+        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
+
+
+def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
+         state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
+         changes: tuple[str, ...] = ()):
+    with training_session(model, lora_set, cfg) as device:
+        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
+        for line in report.lines():
+            log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
+        _show_on_node("\n".join([*report.lines(), *changes]), node_id)
+        lora_set.info["precision_lora_dataset"] = report.summary()
+        start = state.step if state is not None else 0
+        lora_set.info.update(training_metadata(cfg, report.sizes, report.samples, start + steps, seed if state is None
+                                               else state.seed))
+        samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
+        fns = model_fns(model, lora_set, cfg, device)
+        if isinstance(hooks.on_step, PreviewStepHook):
+            hooks.on_step.at_start()  # step 0: inside the session, before the first step
+        try:
+            return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
+        except ValueError as exc:
+            raise _node_error("PrecisionTrainLoRA", exc) from exc
+
+
+NODES = [PrecisionTrainSettings, PrecisionTrainLoRA]

@@ -1,1 +1,0 @@
-"""ComfyUI glue: the product nodes, routes and adapters. With demo/, the only packages that import ComfyUI."""
