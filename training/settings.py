@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .checks import number_problem
-from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule
+from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, schedule_free
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
+from .views import EMA_SAVE
 
 NAN_POLICIES: dict[str, str] = {
     "rollback": "skip a non-finite step; after `nan_patience` bad steps in a row restore the last good LoRA + optimizer",
@@ -60,6 +61,12 @@ class TrainSettings:
     nan_patience: int = 3
     gradient_checkpointing: bool = False
     caption_dropout: float = 0.0    # probability of training a sample on the empty caption (0 = off)
+    ema_decay: float = 0.0          # EMA of the LoRA weights (0 = off; 0.99 .. 0.9999 typical)
+    ema_warmup: int = 0             # steps over which the EMA decay ramps up from 0 (0 = none)
+    ema_on_cpu: bool = False        # keep the fp32 EMA shadow in host memory instead of on the device
+    ema_save: str = "beside"        # EMA_SAVE: "beside" (extra file) or "as_lora" (the LoRA is the EMA)
+    ema_preview: bool = False       # previews sample with the EMA weights
+    swap_blocks: int = 0            # frozen blocks streamed from host memory (training.swap); 0 = off
 
     def __post_init__(self) -> None:
         self.validate()
@@ -109,11 +116,27 @@ class TrainSettings:
             raise _err("dop_multiplier", self.dop_multiplier, "must be >= 0 (0 disables DOP)")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
+        self._validate_ema()
+
+    def _validate_ema(self) -> None:
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise _err("ema_decay", self.ema_decay, "must be in [0, 1) (0 = no EMA, 0.99 .. 0.9999 typical)")
+        for name in ("ema_on_cpu", "ema_preview"):
+            if not isinstance(getattr(self, name), bool):
+                raise _err(name, getattr(self, name), "must be true or false")
+        if self.ema_decay > 0 and schedule_free(self.optimizer):
+            raise _err("ema_decay", self.ema_decay, f"an EMA on top of the schedule-free optimizer "
+                       f"{self.optimizer!r} is not offered: schedule-free already averages its iterates (its "
+                       "averaged weights are what is saved and previewed); set ema_decay to 0 or choose another optimizer")
+        if self.swap_blocks > 0 and not self.gradient_checkpointing:
+            raise _err("swap_blocks", self.swap_blocks, "needs gradient_checkpointing on (the backward recomputes a "
+                       "swapped block to read its streamed weights again); turn gradient_checkpointing on or set "
+                       "swap_blocks to 0")
 
     def _validate_names(self) -> None:
         registries: dict[str, Mapping[str, Any]] = {
             "optimizer": OPTIMIZERS, "lr_schedule": SCHEDULES, "timestep_sampling": TIMESTEP_SAMPLERS,
-            "loss_weighting": LOSS_WEIGHTINGS, "target": TARGETS, "nan_policy": NAN_POLICIES,
+            "loss_weighting": LOSS_WEIGHTINGS, "target": TARGETS, "nan_policy": NAN_POLICIES, "ema_save": EMA_SAVE,
         }
         for field, registry in registries.items():
             value = getattr(self, field)
@@ -131,7 +154,7 @@ class TrainSettings:
 
     def _validate_counts(self) -> None:
         minimums = {"warmup_steps": 0, "schedule_steps": 1, "restarts": 1, "batch_size": 1, "grad_accum": 1,
-                    "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1}
+                    "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1, "swap_blocks": 0}
         for field, low in minimums.items():
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -24,7 +24,7 @@ from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
 from ...lora.targets import select_targets
 from ..checks.file_names import inside, name_problem
-from ..model.info import describe_model
+from ..model.info import ModelInfo, describe_model
 
 log = logging.getLogger(__name__)
 
@@ -156,24 +156,27 @@ def _mixed_precision(model) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
 
 
-def attention_metadata(model) -> dict[str, str]:
-    """The model's attention settings as metadata (default settings when it was never patched)."""
+def attention_metadata(model, info: ModelInfo) -> dict[str, str]:
+    """The model's attention settings as metadata (default settings when it was never patched); ``info`` is
+    ``describe_model(model)``."""
     from ...attention.config import AttentionConfig
     from ..attention.glue import get_attention_config
 
-    head_dim = describe_model(model).head_dim
+    head_dim = info.head_dim
     cfg = get_attention_config(model) or AttentionConfig()
     return cfg.to_metadata(head_dim) if head_dim else {"ss_attn_mode": cfg.backend}
 
 
-def build_lora_metadata(model, lora_set: LoRASet, extra: Mapping[str, object] | None = None) -> dict[str, str]:
+def build_lora_metadata(model, info: ModelInfo, lora_set: LoRASet,
+                        extra: Mapping[str, object] | None = None) -> dict[str, str]:
     """Metadata for saving ``lora_set`` trained on ``model``: kohya ss_* keys, attention settings, pack version.
 
+    ``info`` is ``describe_model(model)``, taken once by the caller (a run's checkpoints share it).
     ``extra`` holds metadata keys verbatim, e.g. ``{"ss_steps": 500, "ss_training_started_at": t0}``.
     """
-    family = model_family(model)
+    family = info.family
     md = {"ss_training_finished_at": str(time.time())}
-    md.update(attention_metadata(model))
+    md.update(attention_metadata(model, info))
     md.update(getattr(lora_set, "info", {}))
     md.update({str(k): v for k, v in (extra or {}).items()})
     return lora_metadata(lora_set.config, family=family, key_style=default_key_style(family),

@@ -149,14 +149,15 @@ class PrecisionSaveLoRA(PrecisionNode):
             if reason:
                 raise _err(cls.NODE, f"input 'training_state' {reason}: connect the training_state output of the "
                                      "PrecisionTrainLoRA whose model you save")
-        style = default_key_style(glue.model_family(model)) if key_style == "auto" else key_style
+        info = glue.describe_model(model)
+        style = default_key_style(info.family) if key_style == "auto" else key_style
         tensors = _save_tensors(cls.NODE, lora_set, style, save_dtype)
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
         state_path = None if training_state is None else state_beside(path)
         extra = {"ss_key_style": style, "ss_save_dtype": save_dtype}
         if state_path is not None:
             extra["precision_lora_training_state"] = os.path.basename(state_path)
-        metadata = glue.build_lora_metadata(model, lora_set, extra)
+        metadata = glue.build_lora_metadata(model, info, lora_set, extra)
         for target in (path, state_path):  # checked before anything is written
             if target is not None and os.path.exists(target) and not overwrite:
                 raise _err(cls.NODE, f"{os.path.basename(target)} exists in {os.path.dirname(target)}: enable "

@@ -236,13 +236,14 @@ def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[Tra
     """``save_checkpoint`` hook: ``<loras>/<name>/<name>_step<step>.{trainstate,safetensors}`` (``checkpoint_files``).
 
     The LoRA file has the ``PrecisionSaveLoRA`` keys and metadata (plus the step and the reason)."""
-    family = describe_model(model).family
+    info = describe_model(model)  # once: every checkpoint of the run shares the description
 
     def save(state: TrainingState, reason: str) -> str:
         def write_lora(path: str) -> str:
-            tensors = lora_state_dict(lora_set, default_key_style(family), "fp32")
+            tensors = lora_state_dict(lora_set, default_key_style(info.family), "fp32")
             assert_finite(tensors, f"LoRA checkpoint {os.path.basename(path)}")
-            md = build_lora_metadata(model, lora_set, {"ss_steps": state.step, "precision_lora_checkpoint": reason})
+            md = build_lora_metadata(model, info, lora_set,
+                                     {"ss_steps": state.step, "precision_lora_checkpoint": reason})
             return save_lora_file(path, tensors, md)
 
         return write_checkpoint(checkpoint_files.checkpoint_base(name, state.step), state, write_lora)

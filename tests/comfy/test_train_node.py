@@ -281,7 +281,7 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
     out_model, _, _, steps = _run(mods, m, latent, cond, 3)
     assert steps == 3 and node.fingerprint_inputs(model=[m], steps=[3]) == before  # normal end: cache stays valid
     assert mods.glue.get_lora_set(out_model).info["ss_steps"] == "3"
-    md = mods.glue.build_lora_metadata(out_model, mods.glue.get_lora_set(out_model))
+    md = mods.glue.build_lora_metadata(out_model, mods.glue.describe_model(out_model), mods.glue.get_lora_set(out_model))
     assert md["ss_steps"] == "3"
 
     server = comfy_harness.server()
