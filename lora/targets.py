@@ -1,4 +1,5 @@
-"""Which linear layers get a LoRA: presets per model family, include/exclude regexes, block filters, dry run.
+"""Which linear layers get a LoRA: presets per model family (``presets.py``), include/exclude regexes, block
+filters, modules narrower than the rank, dry run.
 
 Module paths are relative to the diffusion model (``double_blocks.0.img_attn.qkv``); shapes are
 (in_features, out_features). Everything here is pure string/regex logic on those two things.
@@ -10,56 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..training.checks import show
+from .presets import FAMILY_ALIASES, PRESETS, preset_family, preset_names
 from .regex import Matcher, compile_user_regex
 
-# One registry: family -> preset -> regexes matched with re.fullmatch against module paths.
-_FLUX_ATTN = (
-    r"double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)",
-    # Single-stream blocks fuse attention with the MLP: linear1 = qkv + mlp-in, linear2 = proj + mlp-out.
-    r"single_blocks\.\d+\.linear[12]",
-)
-_FLUX_MLP = (r"double_blocks\.\d+\.(img|txt)_mlp\.\d+",)
-_FLUX_ALL = (r"(double_blocks|single_blocks)\.\d+\..+",)
-_COSMOS_SELF = (r"blocks\.\d+\.self_attn\.(q_proj|k_proj|v_proj|output_proj)",)
-_COSMOS_CROSS = (r"blocks\.\d+\.cross_attn\.(q_proj|k_proj|v_proj|output_proj)",)
-_COSMOS_MLP = (r"blocks\.\d+\.mlp\.layer[12]",)
-_GENERIC_ATTN = (r".*(attn|attention)[^.]*\.(to_q|to_k|to_v|to_out\.0|q_proj|k_proj|v_proj|o_proj|out_proj|output_proj|qkv|proj)",)
-_GENERIC_MLP = (r".*(mlp|ff|feed_forward)[^.]*\..+",)
+__all__ = ["FAMILY_ALIASES", "PRESETS", "TargetPlan", "dry_run", "plan_targets", "preset_family", "preset_names",
+           "select_targets", "validate_target_options"]
 
-PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
-    "flux": {"attention": _FLUX_ATTN, "attention_mlp": _FLUX_ATTN + _FLUX_MLP, "all": _FLUX_ALL, "none": ()},
-    "cosmos": {
-        "attention": _COSMOS_SELF + _COSMOS_CROSS,
-        "self_attention": _COSMOS_SELF,
-        "attention_mlp": _COSMOS_SELF + _COSMOS_CROSS + _COSMOS_MLP,
-        "all": (r"blocks\.\d+\..+",),
-        "none": (),
-    },
-    "generic": {"attention": _GENERIC_ATTN, "attention_mlp": _GENERIC_ATTN + _GENERIC_MLP, "all": (r".+",), "none": ()},
-}
-# Families whose blocks share Flux.1's module names (Flux.2 differs only in global modulation).
-FAMILY_ALIASES: dict[str, str] = {
-    "flux": "flux", "flux1": "flux", "flux2": "flux", "chroma": "flux", "kontext": "flux",
-    "cosmos": "cosmos", "cosmos_predict2": "cosmos", "anima": "cosmos",
-}
 BLOCK_GROUPS = ("double_blocks", "single_blocks", "transformer_blocks", "joint_blocks", "blocks", "layers",
-                "input_blocks", "middle_block", "output_blocks")
+                "input_blocks", "middle_block", "output_blocks", "double_layers", "single_layers")
 _BLOCK_RE = re.compile(r"(?:^|\.)(" + "|".join(BLOCK_GROUPS) + r")\.(\d+)(?:\.|$)")
 _ITEM_RE = re.compile(r"(?:([a-z_]+):)?(\d{1,6})(?:-(\d{1,6}))?")  # block indices have at most 6 digits
-
-
-def preset_names() -> list[str]:
-    """Every preset name of any family, for the node's option list ("attention" first)."""
-    names: list[str] = []
-    for presets in PRESETS.values():
-        names.extend(n for n in presets if n not in names)
-    return names
-
-
-def preset_family(family: str) -> str:
-    """Map a model family name (as model_info reports it) to a preset family; unknown → "generic"."""
-    key = family.lower().replace(".", "").replace("-", "_")
-    return FAMILY_ALIASES.get(key, "generic")
 
 
 @dataclass(frozen=True)
@@ -128,43 +89,89 @@ class TargetInfo:
         return f"{self.path}  ({self.in_features} -> {self.out_features})"
 
 
-def select_targets(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str = "",
-                   exclude: str = "", blocks: str = "") -> dict[str, tuple[int, int]]:
-    """Pick LoRA targets among ``linears`` (path → (in, out)). Raises ValueError if nothing matches.
+@dataclass(frozen=True)
+class TargetPlan:
+    """What a target selection picked (``chosen``: path → (in, out), path order) and the preset's matches it
+    left out because they are narrower than the rank (``narrow``), with the rank it was planned for."""
 
-    preset(family) ∪ include, minus exclude, restricted to the block filter (modules outside any block
-    are dropped when a block filter is given). ``include`` / ``exclude`` are searched (``re.search``
-    semantics) by ``lora.regex``, which never backtracks exponentially.
-    """
-    inc, exc, ranges = _parse_options(targets, include, exclude, blocks)
+    chosen: dict[str, tuple[int, int]]
+    narrow: tuple[TargetInfo, ...]
+    rank: int
+    preset_family: str
+
+    def report_lines(self) -> list[str]:
+        """One line per module left out, for the dry-run report (empty when none)."""
+        return [f"left out (narrower than rank {self.rank}): {t.describe()}" for t in self.narrow]
+
+
+def _preset_matchers(family: str, targets: str) -> list[re.Pattern[str]]:
     fam = preset_family(family)
     if targets not in PRESETS[fam]:
         raise ValueError(
             f"[Precision LoRA] targets={targets!r} is not a preset of model family '{family}': use one of {list(PRESETS[fam])}"
         )
-    preset = [re.compile(p) for p in PRESETS[fam][targets]]
+    return [re.compile(p) for p in PRESETS[fam][targets]]
+
+
+def _in_blocks(path: str, ranges: tuple[BlockRange, ...]) -> bool:
+    if not ranges:
+        return True
+    blk = block_of(path)
+    return blk is not None and any(r.matches(*blk) for r in ranges)
+
+
+def plan_targets(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str = "",
+                 exclude: str = "", blocks: str = "", rank: int = 0) -> TargetPlan:
+    """Pick LoRA targets among ``linears`` (path → (in, out)). Raises ValueError if nothing matches.
+
+    preset(family) ∪ include, minus exclude, restricted to the block filter (modules outside any block
+    are dropped when a block filter is given). ``include`` / ``exclude`` are searched (``re.search``
+    semantics) by ``lora.regex``, which never backtracks exponentially. A module narrower than ``rank``
+    (min(in, out) < rank) that only the preset matches is left out and listed in ``narrow``; one that
+    ``include`` names raises (the user asked for it by name).
+    """
+    inc, exc, ranges = _parse_options(targets, include, exclude, blocks)
+    preset = _preset_matchers(family, targets)
     chosen: dict[str, tuple[int, int]] = {}
+    narrow: list[TargetInfo] = []
     for path in sorted(linears):
-        hit = any(p.fullmatch(path) for p in preset) or (inc is not None and inc.search(path) is not None)
-        if not hit or (exc is not None and exc.search(path) is not None):
+        by_include = inc is not None and inc.search(path) is not None
+        hit = by_include or any(p.fullmatch(path) for p in preset)
+        if not hit or (exc is not None and exc.search(path) is not None) or not _in_blocks(path, ranges):
             continue
-        if ranges:
-            blk = block_of(path)
-            if blk is None or not any(r.matches(*blk) for r in ranges):
-                continue
+        n_in, n_out = linears[path]
+        if min(n_in, n_out) < rank:
+            if by_include:
+                raise ValueError(
+                    f"[Precision LoRA] include={include!r} names '{path}' ({n_in} -> {n_out}), narrower than "
+                    f"rank={rank}: use rank <= {min(n_in, n_out)} or leave that module out of include"
+                )
+            narrow.append(TargetInfo(path, n_in, n_out))
+            continue
         chosen[path] = linears[path]
     if not chosen:
-        sample = ", ".join(sorted(linears)[:8]) or "(the model has no linear layers)"
-        raise ValueError(
-            f"[Precision LoRA] no module matches targets={targets!r} include={include!r} exclude={exclude!r} "
-            f"blocks={blocks!r} for family '{family}' ({len(linears)} linear layers, e.g. {sample}): "
-            "widen the preset, fix the regex or the block filter"
-        )
-    return chosen
+        raise ValueError(_nothing_matches(linears, family, targets, include, exclude, blocks, narrow, rank))
+    return TargetPlan(chosen, tuple(narrow), rank, preset_family(family))
+
+
+def _nothing_matches(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str, exclude: str,
+                     blocks: str, narrow: list[TargetInfo], rank: int) -> str:
+    sample = ", ".join(sorted(linears)[:8]) or "(the model has no linear layers)"
+    left = (f"; {len(narrow)} matching modules are narrower than rank={rank} (e.g. {narrow[0].describe()}): "
+            "lower the rank" if narrow else "")
+    return (f"[Precision LoRA] no module matches targets={targets!r} include={include!r} exclude={exclude!r} "
+            f"blocks={blocks!r} for family '{family}' ({len(linears)} linear layers, e.g. {sample}){left}: "
+            "widen the preset, fix the regex or the block filter")
+
+
+def select_targets(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str = "",
+                   exclude: str = "", blocks: str = "", rank: int = 0) -> dict[str, tuple[int, int]]:
+    """``plan_targets(...).chosen``: the selected modules, path → (in, out), in path order."""
+    return plan_targets(linears, family, targets, include, exclude, blocks, rank).chosen
 
 
 def dry_run(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str = "",
-            exclude: str = "", blocks: str = "") -> list[TargetInfo]:
-    """The modules a LoRA would wrap, with shapes, in path order (same rules as select_targets)."""
-    chosen = select_targets(linears, family, targets, include, exclude, blocks)
+            exclude: str = "", blocks: str = "", rank: int = 0) -> list[TargetInfo]:
+    """The modules a LoRA would wrap, with shapes, in path order (same rules as plan_targets)."""
+    chosen = select_targets(linears, family, targets, include, exclude, blocks, rank)
     return [TargetInfo(p, i, o) for p, (i, o) in chosen.items()]

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from lora.targets import block_of, dry_run, parse_blocks, preset_family, preset_names, select_targets
+from lora.targets import (block_of, dry_run, parse_blocks, plan_targets, preset_family, preset_names,
+                          select_targets)
 
 H = 64
 FLUX = {
@@ -81,8 +82,9 @@ def test_no_match_error_lists_available_modules():
 def test_preset_not_in_family_and_unknown_family():
     with pytest.raises(ValueError, match=r"targets='self_attention' is not a preset of model family 'flux1'"):
         select_targets(FLUX, "flux1", "self_attention")
-    assert preset_family("sdxl") == "generic" and preset_family("flux2") == "flux"
-    generic = select_targets({"layers.0.attn.to_q": (8, 8), "layers.0.ff.net": (8, 8)}, "sdxl", "attention")
+    assert preset_family("some_new_dit") == "generic" and preset_family("flux2") == "flux"
+    assert preset_family("sdxl") == "sd_unet" and preset_family("WAN21_T2V") == "generic"
+    generic = select_targets({"layers.0.attn.to_q": (8, 8), "layers.0.ff.net": (8, 8)}, "some_new_dit", "attention")
     assert list(generic) == ["layers.0.attn.to_q"]
     assert preset_names()[0] == "attention"
 
@@ -99,3 +101,56 @@ def test_block_indices_are_bounded_and_named_in_the_error():
     with pytest.raises(ValueError, match=r"blocks filter item '0\\n1' is invalid"):
         parse_blocks("0\n1")
     assert parse_blocks("double_blocks:0-5, 7")[1].start == 7
+
+
+# Module paths as ComfyUI 0.33's classes name them (one block each; tests/comfy/test_families.py checks the
+# presets on the real classes of every family).
+WAN = {"text_embedding.0": (H, H), "time_projection.1": (H, 6 * H), "head.head": (H, 64),
+       **{f"blocks.0.{a}.{p}": (H, H) for a in ("self_attn", "cross_attn") for p in "qkvo"},
+       "blocks.0.ffn.0": (H, 4 * H), "blocks.0.ffn.2": (4 * H, H)}
+KREA2 = {"first": (H, H), "txtfusion.projector": (12, 1),
+         **{f"blocks.0.attn.{p}": (H, H) for p in ("wq", "wk", "wv", "gate", "wo")},
+         **{f"blocks.0.mlp.{p}": (H, H) for p in ("gate", "up", "down")}}
+COGVIDEOX = {"patch_embed.text_proj": (H, H), "time_embedding_linear_1": (H, H), "proj_out": (H, 64),
+             **{f"blocks.0.{p}": (H, H) for p in ("q", "k", "v", "attn_out", "ff_proj", "ff_out", "norm1.linear")}}
+
+
+def test_generic_attention_matches_any_projection_under_an_attention_module():
+    """Wan / AuraFlow / Kandinsky5 / JoyImage name their projections q, w1q, to_query, img_attn_qkv: the
+    default preset matched none of them (issue 25)."""
+    assert set(select_targets(WAN, "WAN21_T2V", "attention")) == {k for k in WAN if "_attn." in k}
+    assert set(select_targets(WAN, "WAN21_T2V", "attention_mlp")) == {k for k in WAN if k.startswith("blocks.")}
+    assert set(select_targets(WAN, "WAN21_T2V", "community")) == {k for k in WAN if k.startswith("blocks.")}
+    other = {"double_layers.0.attn.w1q": (H, H), "visual_transformer_blocks.0.self_attention.to_query": (H, H),
+             "double_blocks.0.attn.img_attn_qkv": (H, 3 * H), "double_layers.0.modC.1": (H, H),
+             "double_blocks.0.img_mlp.net.0.proj": (H, H)}
+    assert set(select_targets(other, "brand_new_model", "attention")) == set(list(other)[:3])
+    assert set(select_targets(other, "brand_new_model", "attention_mlp")) == set(other) - {"double_layers.0.modC.1"}
+
+
+def test_cogvideox_projections_sit_directly_in_its_blocks():
+    assert set(select_targets(COGVIDEOX, "CogVideoX_T2V", "attention")) == {
+        f"blocks.0.{p}" for p in ("q", "k", "v", "attn_out")}
+    assert len(select_targets(COGVIDEOX, "cogvideox_i2v", "attention_mlp")) == 6
+
+
+def test_module_narrower_than_the_rank_is_left_out_and_reported():
+    plan = plan_targets(KREA2, "Krea2", "all", rank=4)
+    assert "txtfusion.projector" not in plan.chosen and len(plan.chosen) == len(KREA2) - 1
+    assert plan.report_lines() == ["left out (narrower than rank 4): txtfusion.projector  (12 -> 1)"]
+    assert plan_targets(KREA2, "Krea2", "attention", rank=4).narrow == ()
+    # named by include: the user asked for it, so it is an error naming the module, its shape and the fix
+    with pytest.raises(ValueError, match=r"include='projector' names 'txtfusion\.projector' \(12 -> 1\), narrower "
+                                         r"than rank=4: use rank <= 1"):
+        plan_targets(KREA2, "Krea2", "none", include="projector", rank=4)
+    with pytest.raises(ValueError, match=r"1 matching modules are narrower than rank=4 .*lower the rank"):
+        plan_targets({"txtfusion.projector": (12, 1)}, "Krea2", "all", rank=4)
+
+
+def test_sd_unet_community_is_kohyas_transformer_block_set():
+    unet = {"input_blocks.1.1.proj_in": (H, H), "input_blocks.1.1.transformer_blocks.0.attn1.to_q": (H, H),
+            "input_blocks.1.1.transformer_blocks.0.ff.net.0.proj": (H, 8 * H), "time_embed.0": (H, H),
+            "middle_block.1.transformer_blocks.0.attn2.to_out.0": (H, H), "output_blocks.2.1.proj_out": (H, H)}
+    assert set(select_targets(unet, "sdxl", "attention")) == {
+        "input_blocks.1.1.transformer_blocks.0.attn1.to_q", "middle_block.1.transformer_blocks.0.attn2.to_out.0"}
+    assert set(select_targets(unet, "sd15", "community")) == set(unet) - {"time_embed.0"}
