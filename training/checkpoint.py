@@ -46,7 +46,11 @@ class TrainingState:
     ``lora``: trainable parameter name -> value in its stored dtype; ``masters``: fp32 masters of
     low-precision parameters (empty when the LoRA is fp32); ``generator``: the loop's CPU generator state
     (data order, timesteps, noise); ``extra_rng``: other generators (LoRA dropout), device -> state;
-    ``history``: one dict per optimizer step {"step", "loss", "lr", "sigma", "dop", "skipped"}.
+    ``history``: one dict per optimizer step {"step", "loss", "lr", "sigma", "dop", "skipped"};
+    ``ema``: the fp32 EMA shadow by parameter name (empty without EMA); ``train_lora``: when ``lora`` holds
+    other weights than the ones training continues from (schedule-free's averaged weights, an EMA saved as
+    the LoRA: ``training.views``), the values to continue from, else empty. ``masters`` are always the
+    values to continue from.
     """
 
     step: int
@@ -60,6 +64,8 @@ class TrainingState:
     history: list[dict[str, Any]] = field(default_factory=list)
     skipped: int = 0
     rollbacks: int = 0
+    ema: dict[str, torch.Tensor] = field(default_factory=dict)
+    train_lora: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -83,7 +89,8 @@ class TrainingState:
 def save_state(path: str, state: TrainingState) -> str:
     """Write ``state`` atomically to ``path`` (``*.trainstate``). Refuses non-finite tensors. Returns path."""
     data = state.to_dict()
-    assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"]},
+    assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"],
+                   "ema": data["ema"], "train_lora": data["train_lora"]},
                   f"training state {os.path.basename(path)}")
     atomic_write(path, lambda tmp: torch.save(data, tmp))
     return path

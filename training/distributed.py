@@ -123,7 +123,8 @@ class DataParallel:
             return self.agree("interrupt" if _cancel_requested else action)
 
         save = hooks.save_checkpoint if self.is_main else (None if hooks.save_checkpoint is None else _no_write)
-        return replace(hooks, on_step=agreed, save_checkpoint=save)
+        save_ema = getattr(hooks, "save_ema", None) if self.is_main else None  # the EMA file: rank 0 too
+        return replace(hooks, on_step=agreed, save_checkpoint=save, save_ema=save_ema)
 
 
 def _no_write(state, reason: str) -> str:

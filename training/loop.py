@@ -7,7 +7,6 @@ or restored from a ``TrainingState``, so N + M chained steps equal N + M steps i
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -20,11 +19,17 @@ from .checkpoint import TrainingState
 from .distributed import DataParallel, active
 from .guard import NanGuard, all_finite
 from .masters import MasterWeights
-from .optim import apply_lr, build_optimizer, lr_multiplier
+from .optim import apply_lr, build_optimizer, lr_multiplier, schedule_free
 from .outcome import Outcome, judge
 from .sampling import loss_weight, sample_u, weighted_mse
 from .settings import TrainSettings
 from .tensors import to_cpu
+from .module_state import dropout_rng as _dropout_rng
+from .module_state import get_extra_rng as _get_extra_rng
+from .module_state import global_rows as _global_rows
+from .module_state import load_named as _load_named
+from .module_state import set_extra_rng as _set_extra_rng
+from .views import Ema, WeightViews, view_kinds
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +90,7 @@ class StepReport:
 @dataclass
 class Hooks:
     """on_step returns None, "stop", "checkpoint" or "interrupt"; save_checkpoint(state, reason) -> path.
+    save_ema(step) -> path: write the module's LoRA (an EMA, ``ema_save`` "beside") as step ``step``'s EMA file.
 
     is_interrupt(exc): True for an exception that means "the user cancelled" (raised from inside a forward
     or backward); the half-done step is discarded, a checkpoint of the last complete step is written and
@@ -94,6 +100,7 @@ class Hooks:
     on_step: Callable[[StepReport], str | None] | None = None
     save_checkpoint: Callable[[TrainingState, str], str] | None = None
     is_interrupt: Callable[[BaseException], bool] | None = None
+    save_ema: Callable[[int], str] | None = None
 
 
 @dataclass
@@ -102,6 +109,7 @@ class RunResult:
     stopped: bool = False
     reason: str = "done"           # done | stop | interrupt | nan
     checkpoints: list[str] = field(default_factory=list)
+    ema_files: list[str] = field(default_factory=list)  # EMA LoRAs written beside checkpoints and at the end
     outcome: Outcome | None = None  # training.outcome.judge of this call: ok, or failed with the reason
 
 
@@ -137,20 +145,38 @@ class _Run:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.guard = NanGuard(settings.nan_patience, settings.nan_policy)
         self.step, self.history = 0, []
+        self._ema_step: int | None = None  # the step whose EMA file was written last
         self._step_start: tuple[torch.Tensor, dict[str, torch.Tensor]] = (self.gen.get_state(), {})
         if state is not None:
             self._restore(state)
         if parallel is not None:  # every rank starts from rank 0's LoRA (and masters)
             parallel.broadcast_([*module.parameters(), *(m for _, m in self.masters.masters())])
+        self.views = self._views(state)
         self.guard.snapshot(self.step, self.params, self.optimizer)
 
     # ---- state ----
+    def _views(self, state: TrainingState | None) -> WeightViews:
+        """The EMA (from the state, or started at the current weights) and the views previews and saves use."""
+        s, pairs = self.s, list(self.masters.masters())
+        owner = {id(m): self.names[id(p)] for p, m in pairs}
+        self.param_names = [owner.get(id(p)) or self.names[id(p)] for p in self.params]
+        ema = Ema(self.params, s.ema_decay, s.ema_warmup, s.ema_on_cpu) if s.ema_decay > 0 else None
+        if ema is not None and state is not None and state.ema:
+            if set(state.ema) != set(self.param_names):
+                raise ValueError("[Precision LoRA] the training state's EMA does not match the attached LoRA; "
+                                 "attach the LoRA the state was trained with")
+            ema.load([state.ema[n] for n in self.param_names])
+        save, preview = view_kinds(schedule_free(s.optimizer), ema is not None, s.ema_save, s.ema_preview)
+        return WeightViews(self.module, self.optimizer, self.params, pairs, ema, save, preview)
+
     def _restore(self, state: TrainingState) -> None:
         if state.settings.get("optimizer") != self.s.optimizer:
             raise ValueError(f"[Precision LoRA] the training state was made with optimizer "
                              f"{state.settings.get('optimizer')!r} but settings choose {self.s.optimizer!r}; "
                              "use the same optimizer to continue")
         _load_named(self.module, state.lora, "LoRA parameters")
+        if state.train_lora:  # the state's LoRA is a view (averaged / EMA weights): continue from the trained ones
+            _load_named(self.module, state.train_lora, "LoRA parameters")
         with torch.no_grad():
             for p, m in self.masters.masters():
                 m.copy_(state.masters.get(self.names[id(p)], p.float()))
@@ -170,13 +196,35 @@ class _Run:
         ``final``: the run is over, so the optimizer state and masters (which die with the run) are handed
         over instead of copied where they are already on the CPU; ``share_lora`` does the same for the
         module's parameters (only when nothing trains the module again, see ``train(hand_over=...)``)."""
-        masters = {self.names[id(p)]: to_cpu(m, not final) for p, m in self.masters.masters()}
+        views = self.views
+        masters = {self.names[id(p)]: to_cpu(views.raw_masters.get(id(m), m), not final) for p, m in self.masters.masters()}
+        ema = views.ema
         return TrainingState(
             step=self.step, seed=self.seed, settings=self.s.to_dict(),
             lora={n: to_cpu(p, not (final and share_lora)) for n, p in self.module.named_parameters()},
-            optimizer=to_cpu(self.optimizer.state_dict(), not final), generator=self.gen.get_state().clone(),
+            optimizer=to_cpu(views.optimizer_state(), not final), generator=self.gen.get_state().clone(),
             masters=masters, extra_rng=_get_extra_rng(self.module), history=[dict(p) for p in self.history],
-            skipped=self.guard.skipped, rollbacks=self.guard.rollbacks)
+            skipped=self.guard.skipped, rollbacks=self.guard.rollbacks,
+            ema={} if ema is None else {n: to_cpu(v) for n, v in zip(self.param_names, ema.values())},
+            train_lora={} if views.raw is None else {n: to_cpu(v, False) for n, v in views.raw.items()})
+
+    def checkpoint(self, hooks: Hooks, reason: str, result: RunResult) -> None:
+        """Write a checkpoint (in the save view: schedule-free's averaged weights, an EMA saved as the LoRA)
+        and, with ``ema_save`` "beside", the EMA LoRA beside it."""
+        if hooks.save_checkpoint is not None:
+            with self.views.view(self.views.save):
+                result.checkpoints.append(hooks.save_checkpoint(self.snapshot(), reason))
+        self.save_ema(hooks, result)
+
+    def save_ema(self, hooks: Hooks, result: RunResult) -> None:
+        """With ``ema_save`` "beside": the EMA LoRA of this step (once per step)."""
+        if hooks.save_ema is None or self.views.ema is None or self.s.ema_save != "beside":
+            return
+        if self._ema_step == self.step:
+            return
+        self._ema_step = self.step
+        with self.views.view("ema"):
+            result.ema_files.append(hooks.save_ema(self.step))
 
     # ---- one optimizer step ----
     def _forward_group(self, ids: list[int], batch: int, dop_on: bool,
@@ -275,6 +323,8 @@ class _Run:
         if outcome != "dropped":  # re-rounding unchanged masters would still move low-precision weights
             self.masters.push()
         self.step += 1
+        if self.views.ema is not None:
+            self.views.ema.update(self.step)
         if outcome == "ok":
             self.guard.good()
             self.guard.maybe_snapshot(self.step, self.params, self.optimizer)
@@ -315,46 +365,6 @@ def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:
     return [{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.learning_rate}]
 
 
-def _load_named(module: nn.Module, values: dict[str, torch.Tensor], what: str) -> None:
-    params = dict(module.named_parameters())
-    if set(params) != set(values):
-        extra, missing = sorted(set(values) - set(params))[:3], sorted(set(params) - set(values))[:3]
-        raise ValueError(f"[Precision LoRA] the training state's {what} do not match the attached LoRA "
-                         f"(state only: {extra}, LoRA only: {missing}); attach the LoRA the state was trained with")
-    for name, p in params.items():
-        if tuple(values[name].shape) != tuple(p.shape):
-            raise ValueError(f"[Precision LoRA] the training state's '{name}' has shape {tuple(values[name].shape)}, "
-                             f"the attached LoRA {tuple(p.shape)}; attach a LoRA with the same rank and targets")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(values[name].to(p.device, p.dtype))
-
-
-def _get_extra_rng(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's own generators (a LoRASet's dropout RNG: ``rng.get_state()``), else none."""
-    rng = getattr(module, "rng", None)
-    return rng.get_state() if hasattr(rng, "get_state") else {}
-
-
-def _dropout_rng(module: nn.Module) -> Any:
-    """The module's dropout generators when it has them (a LoRASet's ``rng``), else None."""
-    rng = getattr(module, "rng", None)
-    return rng if hasattr(rng, "get_state") and hasattr(rng, "set_state") else None
-
-
-def _global_rows(module: nn.Module, start: int, stop: int, total: int) -> Any:
-    """Context: the module's dropout masks are drawn for ``total`` rows and rows ``start:stop`` applied
-    (``lora.layer.DropoutRNG.global_rows``); nothing for a module without one."""
-    rng = getattr(module, "rng", None)
-    return rng.global_rows(start, stop, total) if hasattr(rng, "global_rows") else contextlib.nullcontext()
-
-
-def _set_extra_rng(module: nn.Module, states: dict[str, torch.Tensor]) -> None:
-    rng = getattr(module, "rng", None)
-    if hasattr(rng, "set_state"):
-        rng.set_state(states)
-
-
 def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,
           seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None,
           hand_over: bool = False, parallel: DataParallel | None = None) -> RunResult:
@@ -385,19 +395,19 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 if hooks.is_interrupt is None or not hooks.is_interrupt(exc):
                     raise
                 _abort_step(run)
-                if hooks.save_checkpoint:
-                    result.checkpoints.append(hooks.save_checkpoint(run.snapshot(), "interrupt"))
+                run.checkpoint(hooks, "interrupt", result)
                 result.stopped, result.reason = True, "interrupt"
                 log.info("[Precision LoRA] training interrupted during step %d", run.step + 1)
                 break
             report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
-            action = hooks.on_step(report) if hooks.on_step else None
+            with run.views.view(run.views.preview):  # previews show the averaged / EMA weights when chosen
+                action = hooks.on_step(report) if hooks.on_step else None
             if action is not None and action not in ACTIONS:
                 raise ValueError(f"[Precision LoRA] on_step returned {action!r}; expected one of {ACTIONS}")
             periodic = settings.checkpoint_every > 0 and run.step % settings.checkpoint_every == 0
             stop_reason = "nan" if outcome == "stop" else action if action in ("stop", "interrupt") else None
-            if hooks.save_checkpoint and (periodic or action == "checkpoint" or stop_reason):
-                result.checkpoints.append(hooks.save_checkpoint(run.snapshot(), stop_reason or action or "periodic"))
+            if periodic or action == "checkpoint" or stop_reason:
+                run.checkpoint(hooks, stop_reason or action or "periodic", result)
             if stop_reason:
                 result.stopped, result.reason = True, stop_reason
                 log.info("[Precision LoRA] training stopped at step %d (%s)", run.step, stop_reason)
@@ -410,5 +420,8 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                            dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)))
     if result.outcome.skipped or result.outcome.dropped:
         log.warning("[Precision LoRA] training %s", result.outcome.summary())
+    run.save_ema(hooks, result)
+    if run.views.save is not None:
+        run.views.enter(run.views.save)  # the trained LoRA is the save view's; the state continues the raw one
     result.state = run.snapshot(final=True, share_lora=hand_over)
     return result

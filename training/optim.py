@@ -1,4 +1,4 @@
-"""Optimizer registry and learning-rate schedules.
+"""Optimizer registry (the catalogue is ``training.optimizers``) and learning-rate schedules.
 
 The learning rate has one form: each param group's base rate (``BASE_LR_KEY``, LoRA+ groups differ),
 recorded once when the optimizer is built from the groups' ``lr``. Before every step the schedule's
@@ -14,6 +14,11 @@ from typing import Callable
 
 import torch
 
+from .optimizers import OPTIMIZERS, Hyperparams, OptimizerSpec
+
+__all__ = ["OPTIMIZERS", "Hyperparams", "OptimizerSpec", "available", "build_optimizer", "describe",
+           "schedule_free", "keep_settings_on_load", "SCHEDULES", "Schedule", "lr_multiplier", "apply_lr"]
+
 BASE_LR_KEY = "precision_base_lr"  # per-group lr before the schedule (LoRA+ groups differ)
 # Group keys that come from the run's settings. A resumed run loads the optimizer state of the run it continues,
 # which carries the old values of these; the settings chosen now win (issue 23 item 1). Keys an optimizer keeps
@@ -21,71 +26,17 @@ BASE_LR_KEY = "precision_base_lr"  # per-group lr before the schedule (LoRA+ gro
 SETTING_KEYS = ("lr", BASE_LR_KEY, "betas", "eps", "weight_decay", "momentum")
 
 
-@dataclass(frozen=True)
-class Hyperparams:
-    """What an optimizer reads besides the groups' learning rates."""
-
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
+def schedule_free(name: str) -> bool:
+    """True when optimizer ``name`` has train/eval modes (``OptimizerSpec.schedule_free``)."""
+    return OPTIMIZERS[name].schedule_free
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """How to build one optimizer; ``package`` is the optional module it needs (None = torch only).
-
-    ``build(groups, hyper)``: every group carries its own ``lr``, so no optimizer is given a second one."""
-
-    build: Callable[[list[dict], Hyperparams], torch.optim.Optimizer]
-    package: str | None
-    description: str
-
-
-def _kernel(groups: list[dict]) -> dict[str, bool]:
-    """``fused=True`` (one kernel for every LoRA matrix: 4x faster than foreach for AdamW on CPU) when every
-    parameter is a floating tensor on the CPU or CUDA, else ``foreach=True`` (torch picks neither by
-    default on CPU; hundreds of small tensors make the per-tensor loop slow)."""
-    params = [p for g in groups for p in g["params"]]
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return {"fused": True} if fused else {"foreach": True}
-
-
-def _adamw(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(groups, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay, **_kernel(groups))
-
-
-def _sgd(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
-    return torch.optim.SGD(groups, momentum=h.betas[0], weight_decay=h.weight_decay, **_kernel(groups))
-
-
-def _adafactor(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(groups, weight_decay=h.weight_decay)
-
-
-def _bnb(name: str) -> Callable[[list[dict], Hyperparams], torch.optim.Optimizer]:
-    def build(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
-        import bitsandbytes as bnb  # optional dependency, imported only when chosen
-
-        return getattr(bnb.optim, name)(groups, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay)
-
-    return build
-
-
-def _prodigy(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
-    import prodigyopt  # optional dependency, imported only when chosen
-
-    return prodigyopt.Prodigy(groups, betas=h.betas, weight_decay=h.weight_decay)
-
-
-OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec(_adamw, None, "torch AdamW (default)"),
-    "adamw8bit": OptimizerSpec(_bnb("AdamW8bit"), "bitsandbytes", "bitsandbytes 8-bit AdamW"),
-    "paged_adamw8bit": OptimizerSpec(_bnb("PagedAdamW8bit"), "bitsandbytes", "bitsandbytes paged 8-bit AdamW"),
-    "paged_adamw": OptimizerSpec(_bnb("PagedAdamW"), "bitsandbytes", "bitsandbytes paged AdamW"),
-    "prodigy": OptimizerSpec(_prodigy, "prodigyopt", "Prodigy (use learning_rate 1.0)"),
-    "adafactor": OptimizerSpec(_adafactor, None, "torch Adafactor"),
-    "sgd": OptimizerSpec(_sgd, None, "SGD with momentum beta1"),
-}
+def describe() -> list[str]:
+    """One line per optimizer for tooltips and logs: name, what it is for, recommended LoRA lr, whether it is
+    installed here."""
+    av = available()
+    return [f"{n}: {spec.description}; lr {spec.lr}" + (f" ({av[n]})" if av[n] else "")
+            for n, spec in OPTIMIZERS.items()]
 
 
 def available() -> dict[str, str | None]:

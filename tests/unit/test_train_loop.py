@@ -206,7 +206,7 @@ def test_bf16_lora_uses_fp32_masters_and_resumes_exactly() -> None:
     ({"data": []}, "the dataset is empty"),
     # settings are built inside the check: bad settings raise when they are built, before train() runs
     ({"settings": lambda: TrainSettings(learning_rate=0.0)}, "learning_rate=0.0: must be > 0"),
-    ({"settings": lambda: TrainSettings(optimizer="lion")}, "optimizer='lion': unknown"),
+    ({"settings": lambda: TrainSettings(optimizer="fromage")}, "optimizer='fromage': unknown"),
     ({"settings": lambda: TrainSettings(dop_multiplier=1.0)}, "needs a class conditioning"),
 ])
 def test_bad_input_raises_before_anything_changes(kwargs, message) -> None:
