@@ -2,7 +2,7 @@
 
 Takes what MakeTrainingDataset takes (IMAGE list, VAE, CLIP, texts) and returns what it returns (one LATENT
 and one CONDITIONING per image, the inputs of Train LoRA), encoded by the same VAE / CLIP calls
-(``dataset_cache_glue``). Each latent and each caption's text-encoder output is kept in
+(``cache_glue.py``). Each latent and each caption's text-encoder output is kept in
 ``<base>/cache/precision_lora/dataset/{latents,text}/<sha256>.safetensors``, keyed by the image's pixels
 (hence its resolution) and the VAE's identity, or by the caption, its tokens and the text encoder's identity
 (``training.encode_cache``). A later run, in any workflow and after a server restart, reads the entry

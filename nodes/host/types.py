@@ -3,7 +3,7 @@
 - ``TRAINING_STATE`` carries a ``training.checkpoint.TrainingState`` (a detached CPU snapshot: LoRA values,
   optimizer, generators, step, loss history, settings) from one ``PrecisionTrainLoRA`` to the next.
 - ``TRAIN_SETTINGS`` carries a frozen ``training.settings.TrainSettings``.
-- ``PREVIEW_SETTINGS`` carries a frozen ``train_preview.PreviewSettings`` (prompt, VAE, sampler, size, when)
+- ``PREVIEW_SETTINGS`` carries a frozen ``nodes.train.preview.PreviewSettings`` (prompt, VAE, sampler, size, when)
   from ``PrecisionPreviewSettings`` to ``PrecisionTrainLoRA``'s ``preview``.
 - ``LOSS_MAP`` is ComfyUI's own loss-history type (``{"loss": [float, ...]}``), so ComfyUI's
   ``LossGraphNode`` and ``PrecisionLossGraph`` both accept it.

@@ -1,7 +1,7 @@
 """The training job slot: the one training run of this process, its control requests and loss history.
 
 ``PrecisionTrainLoRA`` starts a job here and polls it for stop / checkpoint requests between steps; the
-HTTP routes (``train_routes``) queue those requests and serve the history. Free of ComfyUI and aiohttp.
+HTTP routes (``routes.py``) queue those requests and serve the history. Free of ComfyUI and aiohttp.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """PrecisionPreviewSettings: what PrecisionTrainLoRA samples during a run (prompt, VAE, sampler, size, when).
 
-Defaults come from ``train_preview.PreviewSettings``; sampler and scheduler lists from ComfyUI's KSampler.
+Defaults come from ``preview.PreviewSettings``; sampler and scheduler lists from ComfyUI's KSampler.
 """
 from __future__ import annotations
 

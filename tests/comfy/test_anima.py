@@ -286,7 +286,7 @@ def test_adapter_layers_train_and_stock_comfyui_loads_their_keys(adapter_lora, s
 
 
 def test_no_in_place_residual_adds_in_the_dit_or_the_adapter(ours, mods):
-    """Anima is in train_glue.CLEAN_FAMILIES (plain autograd, no saved-tensor copies). Autograd raises when a
+    """Anima is in nodes.train.glue.CLEAN_FAMILIES (plain autograd, no saved-tensor copies). Autograd raises when a
     tensor it saved is later modified in place, so a plain backward through DiT and adapter that runs, and
     gives the same gradients as one with every saved tensor copied, shows there is no such add."""
     from training.grad import clone_saved_tensors

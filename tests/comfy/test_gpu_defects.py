@@ -159,7 +159,7 @@ def test_dynamic_vram_weights_reach_the_lora_layer_as_ordinary_tensors_in_traini
     """Defect 3. Suspected cause: with dynamic VRAM (comfy-aimdo, ComfyUI 0.33's default on CUDA) a layer's
     weight is not the module's parameter but a view into a VRAM buffer that comfy.ops.cast_bias_weight /
     resolve_cast_module_with_vbar hands out per forward; made inside inference mode it is an inference tensor,
-    whatever train_glue.normal_weights did to the parameters at load. The pack's boundary is LoRALinear.__call__
+    whatever nodes.train.glue.normal_weights did to the parameters at load. The pack's boundary is LoRALinear.__call__
     (nodes/lora/glue.py): with grad on it clones such a weight before lora_linear, so autograd never
     saves an inference tensor. Asserted where it matters: the weight lora_linear receives under grad is never an
     inference tensor, the LoRA gradients are finite and non-zero, and no LoRA parameter is an inference tensor.
@@ -207,7 +207,7 @@ def test_anima_token_ids_follow_the_model_device_in_training_conds(pack_module):
     """Defect 4 (token ids). Cause, read in ComfyUI 0.33's comfy/model_base.py (Anima.extra_conds): outside
     inference mode (training) it returns t5xxl_ids as a CONDRegular on the device the conditioning came on,
     i.e. the CPU; only inside inference mode does it run the adapter itself with the ids moved to the model's
-    device. The pack's train_data._encode moves every processed cond tensor to the training device; the GPU
+    device. The pack's nodes.train.data._encode moves every processed cond tensor to the training device; the GPU
     failure was a test that called the DiT with CPU ids. Asserted: every tensor of a built training sample's
     conds is on the model's device. The other Anima GPU differences (adapter LoRA vs stock off by 0.1; the two
     loaders' state-dict keys) are cause 2, the stock loader's bf16 default on a bf16 GPU: test_anima's stock
