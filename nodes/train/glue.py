@@ -30,7 +30,7 @@ from ...lora.layer import LoRASet
 from ...lora.file import default_key_style, lora_state_dict, save_lora_file
 from ...training.loop import ModelFns
 from ...training.settings import TrainSettings
-from . import checkpoint_files
+from . import checkpoint_files, swap_glue
 from ..host.comfy_compat import model_gradients
 from ..lora.glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
 from ..model.info import describe_model
@@ -196,9 +196,16 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     tensors (``normal_weights``), freeze them, enable autograd and make ComfyUI's model code differentiable
     (``comfy_compat.model_gradients``), optionally checkpoint blocks for the body; undo all of it but the
     weight conversion on exit (also on error, stop and cancel). Yields the device."""
-    mm.load_models_gpu([model], force_full_load=True)
-    device = model.load_device
     dm = model.model.diffusion_model
+    # The last block is left out: backward needs its activations first, so recomputing them would
+    # cost a block's forward without lowering the peak (bench/train.py measures both).
+    blocks = find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
+    swapped = swap_glue.swapped_blocks(blocks, settings, describe_model(model).family)
+    if swapped:  # the pack places the model (swap_glue: who owns placement while blocks stream)
+        swap_glue.load_resident(model, swapped)
+    else:
+        mm.load_models_gpu([model], force_full_load=True)
+    device = model.load_device
     converted = normal_weights(dm)
     if converted:
         log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
@@ -210,15 +217,17 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
         with autograd_enabled(), model_gradients():
             for p, _ in frozen:
                 p.requires_grad_(False)
-            # The last block is left out: backward needs its activations first, so recomputing them would
-            # cost a block's forward without lowering the peak (bench/train.py measures both).
-            blocks = find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
-            with checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng):
+            # swap outside checkpointing: the recomputation passes through the swap's wrappers too
+            with swap_glue.streaming(swapped, device), \
+                    checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng):
                 yield device
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)
-        _unload(model)
+        if swapped:
+            swap_glue.unload_resident(model)
+        else:
+            _unload(model)
 
 
 # ---- checkpoint files (where: checkpoint_files) ----

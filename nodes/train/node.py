@@ -92,6 +92,10 @@ def _settings_inputs() -> list:
         io.Float.Input("caption_dropout", default=DEFAULTS.caption_dropout, min=0.0, max=1.0, step=0.01, optional=True,
                        tooltip="Probability of training a sample on the empty caption at each step (seeded; 0 = "
                                "off, 0.05 .. 0.1 typical). Needs empty_conditioning on Train LoRA."),
+        io.Int.Input("swap_blocks", default=DEFAULTS.swap_blocks, min=0, max=200, step=1, optional=True,
+                     tooltip="Block swap: keep this many transformer blocks in host memory and stream each to the "
+                             "GPU just before it runs (forward and backward), for far less VRAM at some speed. "
+                             "Needs gradient_checkpointing; at most the model's block count - 1. 0 = off."),
     ]
 
 
