@@ -1,15 +1,19 @@
 """Optimizer registry, LR schedules, LoRA+ groups, stochastic rounding and fp32 masters."""
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
 
 from training.masters import MasterWeights, stochastic_round_
-from training.optim import BASE_LR_KEY, OPTIMIZERS, apply_lr, available, lr_multiplier
+from training.optim import BASE_LR_KEY, OPTIMIZERS, Hyperparams, apply_lr, available, describe, lr_multiplier
 from training.optim import build_optimizer as _build_optimizer
 from training.settings import TrainSettings
+
+# The optimizers issue 26 asks for from pytorch_optimizer (adafactor is torch's own).
+PYTORCH_OPTIMIZER_ONES = ("prodigy", "schedulefree_adamw", "came", "lion", "adopt", "ademamix", "soap", "muon")
 
 
 def build_optimizer(groups, s: TrainSettings):
@@ -48,6 +52,7 @@ def test_registry_reports_unavailable_instead_of_hiding():
     av = available()
     assert set(av) == set(OPTIMIZERS) >= {"adamw", "adamw8bit", "paged_adamw8bit", "prodigy", "adafactor", "sgd"}
     assert av["adamw"] is None and av["sgd"] is None and av["adafactor"] is None
+    assert all(av[n] is None for n in PYTORCH_OPTIMIZER_ONES)  # a requirement of the pack: installed
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -146,3 +151,112 @@ def test_parameters_off_cpu_and_cuda_fall_back_to_foreach():
     p = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))
     opt = build_optimizer([{"params": [p], "lr": 1e-3}], TrainSettings())
     assert opt.defaults.get("foreach") is True and not opt.defaults.get("fused")
+
+
+# ---- the registry's optimizers (issue 26 item 1) ----
+
+def test_option_list_has_twelve_or_more_and_every_entry_says_what_it_is_for_and_its_lr():
+    assert len(OPTIMIZERS) >= 12
+    assert set(PYTORCH_OPTIMIZER_ONES) | {"adafactor", "adamw8bit", "adamw8bit_ao"} <= set(OPTIMIZERS)
+    lines = describe()
+    assert len(lines) == len(OPTIMIZERS)
+    for (name, spec), line in zip(OPTIMIZERS.items(), lines):
+        assert line.startswith(f"{name}: {spec.description}; lr {spec.lr}") and spec.state
+    assert "lr 1.0" in lines[list(OPTIMIZERS).index("prodigy")]
+
+
+def _toy_params(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter((torch.randn(4, 16, generator=gen) * 0.1).to(dtype)),
+            torch.nn.Parameter(torch.zeros(16, 4, dtype=dtype))]
+
+
+def _steps(opt, params, masters, steps):
+    for k in steps:
+        gen = torch.Generator().manual_seed(100 + k)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) + p.detach().float()).to(p.dtype)
+        if masters is not None:
+            masters.pull_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not None:
+            masters.push()
+
+
+def _optimizer(name, params, dtype, hyper=Hyperparams((0.9, 0.999), 1e-8, 0.01), lr=1e-3):
+    groups = [{"params": [params[0]], "lr": lr}, {"params": [params[1]], "lr": 2 * lr}]
+    masters = MasterWeights(groups, torch.Generator().manual_seed(1)) if dtype != torch.float32 else None
+    return _build_optimizer(groups, name, hyper), masters
+
+
+def _roundtrip(obj):
+    """torch.save + torch.load(weights_only=True): what a training state file does to the optimizer state."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_resumes_bit_identically_from_its_saved_state_or_names_its_missing_package(name):
+    """2 x 5 steps (the state through a weights_only file round trip between them) = 1 x 10, bit for bit.
+    An optional optimizer that is not installed here is refused naming the package to install."""
+    reason = available()[name]
+    if reason is not None:
+        assert reason == f"unavailable: pip install {OPTIMIZERS[name].package}"
+        with pytest.raises(ValueError, match=rf"optimizer '{name}' is unavailable: pip install {OPTIMIZERS[name].package}"):
+            _optimizer(name, _toy_params(), torch.float32)
+        return
+    one = _toy_params()
+    opt, _ = _optimizer(name, one, torch.float32)
+    _steps(opt, one, None, range(10))
+    two = _toy_params()
+    first, _ = _optimizer(name, two, torch.float32)
+    _steps(first, two, None, range(5))
+    second, _ = _optimizer(name, two, torch.float32)
+    second.load_state_dict(_roundtrip(first.state_dict()))
+    _steps(second, two, None, range(5, 10))
+    assert all(torch.equal(a, b) for a, b in zip(one, two)), name
+    assert float(one[1].detach().abs().max()) > 0  # lora_up left zero: the steps moved it
+
+
+@pytest.mark.parametrize("name", [n for n, r in available().items() if r is None])
+def test_each_optimizer_steps_the_fp32_masters_of_a_bf16_lora(name):
+    """bf16 LoRA parameters: the optimizer holds and updates only the fp32 masters (its state is fp32 too,
+    except Adafactor's own small factored rows and columns, also fp32), and the bf16 values follow them."""
+    params = _toy_params(torch.bfloat16)
+    opt, masters = _optimizer(name, params, torch.bfloat16)
+    _steps(opt, params, masters, range(3))
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in held) and not any(p is q for p in held for q in params)
+    floats = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.is_floating_point() and t.ndim]
+    assert floats and all(t.dtype == torch.float32 for t in floats), name
+    for p, m in masters.masters():  # stochastic rounding: each bf16 value is a neighbour of its master
+        m = m.detach()
+        assert bool(((p.detach().float() - m).abs() <= m.abs() * 2**-7).all())
+    assert float(params[1].detach().float().abs().max()) > 0
+
+
+@pytest.mark.parametrize("name", [n for n, r in available().items() if r is None])
+def test_each_optimizer_keeps_this_runs_lr_betas_eps_and_weight_decay_when_it_loads_a_state(name):
+    old_params = _toy_params()
+    old, _ = _optimizer(name, old_params, torch.float32, Hyperparams((0.9, 0.999), 1e-8, 0.01), lr=1e-3)
+    _steps(old, old_params, None, range(2))
+    new, _ = _optimizer(name, _toy_params(), torch.float32, Hyperparams((0.8, 0.95), 1e-6, 0.1), lr=3e-4)
+    chosen = [{k: g[k] for k in ("lr", BASE_LR_KEY, "betas", "eps", "weight_decay", "momentum") if k in g}
+              for g in new.param_groups]
+    new.load_state_dict(_roundtrip(old.state_dict()))
+    assert [{k: g[k] for k in c} for g, c in zip(new.param_groups, chosen)] == chosen
+    assert chosen[0]["lr"] == 3e-4 and chosen[0]["weight_decay"] == 0.1
+    assert all(tuple(c["betas"][:2]) == (0.8, 0.95) for c in chosen if "betas" in c)
+    assert all(c["momentum"] == 0.8 for c in chosen if "momentum" in c)
+
+
+def test_muon_orthogonalises_the_lora_matrices_and_adams_the_vectors():
+    matrix, vector = torch.nn.Parameter(torch.randn(4, 16)), torch.nn.Parameter(torch.randn(16))
+    opt = _build_optimizer([{"params": [matrix, vector], "lr": 1e-3}], "muon", Hyperparams((0.95, 0.999), 1e-8, 0.0))
+    assert [(g["use_muon"], [p.shape for p in g["params"]]) for g in opt.param_groups] == [
+        (True, [matrix.shape]), (False, [vector.shape])]
+    assert opt.param_groups[0]["momentum"] == 0.95 and opt.param_groups[0]["use_adjusted_lr"] is True
+    assert all(g[BASE_LR_KEY] == 1e-3 for g in opt.param_groups)
