@@ -1,9 +1,12 @@
 """Shared pieces of the every-option server tests (tests/e2e/test_options_*.py).
 
-Each module starts ONE real ComfyUI server (``OptionsServer``, module-scoped), queues its prompts through
-``/prompt`` (ComfyUI's validation included) and keeps every prompt it sent. ``coverage`` compares those prompts
-with the server's own ``/object_info``: which inputs of the module's nodes never took a non-default value, and
-which widgets of the input-list nodes were never linked. ``AREAS`` splits the pack's nodes between the modules;
+Each module queues its prompts through ``/prompt`` (ComfyUI's validation included) of the session's real ComfyUI
+server (tests/conftest.py ``comfy_server``: one start per host run). ``OptionsServer`` is a module's view of it:
+its own websocket client and the registry of every prompt the module sent. Modules share nothing but the server:
+each writes its files and trains under names of its own (``o_*`` runs, ``options*`` files and outputs), so none
+depends on another's files. ``coverage`` compares those prompts with the server's own ``/object_info``: which
+inputs of the module's nodes never took a non-default value, and which widgets of the input-list nodes were
+never linked. ``AREAS`` splits the pack's nodes between the modules;
 a test checks that the split covers every node the server lists for the pack.
 
 ``python tests/e2e/options_lib.py BASE FAMILY...`` (the host's venv) writes extra tiny models (e.g.
@@ -67,8 +70,8 @@ def out(node_id: str, slot: int = 0) -> list:
 # ---- the server -------------------------------------------------------------------------------------------
 
 class OptionsServer:
-    """A real server for one test module, a websocket collecting its events by prompt id, and the registry
-    of every prompt the module queued."""
+    """One test module's view of the session's real server: a websocket collecting its events by prompt id,
+    and the registry of every prompt the module queued."""
 
     def __init__(self, server) -> None:
         self.server, self.sent, self.client_id = server, [], str(uuid.uuid4())
@@ -79,27 +82,21 @@ class OptionsServer:
         self._reader.start()
 
     @classmethod
-    def start(cls, base: str, families: tuple[str, ...] = (), prepare=None) -> "OptionsServer":
-        """Writes the extra model ``families`` and calls ``prepare(base)`` (input files) before the start."""
-        from server_harness import ComfyServer, server_env
+    def attach(cls, server, families: tuple[str, ...] = (), prepare=None) -> "OptionsServer":
+        """Writes the extra model ``families`` and calls ``prepare(base)`` (input files) in the running
+        ``server``'s base folder (ComfyUI lists files added after its start), then opens this module's view."""
+        from server_harness import server_env
 
         if families:
-            subprocess.run([sys.executable, os.path.abspath(__file__), base, *families], check=True,
+            subprocess.run([sys.executable, os.path.abspath(__file__), server.base_dir, *families], check=True,
                            env=server_env(), timeout=600)
         if prepare is not None:
-            prepare(base)
-        server = ComfyServer.start(base)
-        errors = server.pack_import_errors()
-        if errors:
-            server.stop()
-            raise RuntimeError("the pack failed to import in ComfyUI:\n" + "\n".join(errors))
+            prepare(server.base_dir)
         return cls(server)
 
-    def stop(self) -> None:
-        try:
-            self._ws.close()
-        finally:
-            self.server.stop()
+    def close(self) -> None:
+        """Closes this module's websocket; the session's server goes on for the next module."""
+        self._ws.close()
 
     def _read(self) -> None:
         while True:

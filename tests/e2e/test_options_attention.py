@@ -54,10 +54,10 @@ def _write_images(base: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def opts(tmp_path_factory):
-    server = OptionsServer.start(str(tmp_path_factory.mktemp("options_attention")), prepare=_write_images)
-    yield server
-    server.stop()
+def opts(comfy_server):
+    view = OptionsServer.attach(comfy_server, prepare=_write_images)
+    yield view
+    view.close()
 
 
 def sample(g: Graph, model: list, loader: str, key: str, cond: dict | None = None, latent: dict | None = None) -> str:

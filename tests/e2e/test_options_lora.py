@@ -67,11 +67,10 @@ def _write_loras(base: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def opts(tmp_path_factory):
-    server = OptionsServer.start(str(tmp_path_factory.mktemp("options_lora")))
-    _write_loras(server.server.base_dir)
-    yield server
-    server.stop()
+def opts(comfy_server):
+    view = OptionsServer.attach(comfy_server, prepare=_write_loras)
+    yield view
+    view.close()
 
 
 def base_graph(dtype: str = "fp32") -> tuple[Graph, str]:

@@ -37,10 +37,10 @@ VAE = "precision_options_taesd.safetensors"
 
 
 @pytest.fixture(scope="module")
-def opts(tmp_path_factory):
-    server = OptionsServer.start(str(tmp_path_factory.mktemp("options_train")), ("flux1_schnell", "anima"))
-    yield server
-    server.stop()
+def opts(comfy_server):
+    view = OptionsServer.attach(comfy_server, ("flux1_schnell", "anima"))
+    yield view
+    view.close()
 
 
 def train_graph(settings: dict | None = None, steps: int = 1, family: str = FAST, name: str = "opt",
