@@ -139,6 +139,17 @@ def _muon(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
     return pytorch_optimizer.Muon(split, weight_decay=h.weight_decay)
 
 
+def _adafactor_fixed(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
+    """pytorch_optimizer's AdaFactor the way LoRA trainers run it (kohya, OneTrainer): a fixed learning rate
+    (``relative_step`` and ``scale_parameter`` off) and an fp32 first moment (beta1; the library's default
+    keeps it in bf16). torch's Adafactor always scales the step by the parameter's RMS (at least 1e-3):
+    a LoRA's all-zero ``lora_up`` then moves by lr x 1e-3 per step and the LoRA barely starts."""
+    import pytorch_optimizer
+
+    return pytorch_optimizer.AdaFactor(groups, betas=h.betas, weight_decay=h.weight_decay, relative_step=False,
+                                       scale_parameter=False, momentum_dtype=torch.float32)
+
+
 def _prodigy(groups: list[dict], h: Hyperparams) -> torch.optim.Optimizer:
     import pytorch_optimizer
 
@@ -172,8 +183,12 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "came": OptimizerSpec(_po_three_betas("CAME", 0.9999, eps=False), PYTORCH_OPTIMIZER, "CAME: Adafactor's factored "
                           "memory with a confidence-guided update (beta3 0.9999)", "1e-4 .. 2e-4",
                           "4 B + factored rows/cols (first moment only full size)"),
-    "adafactor": OptimizerSpec(_adafactor, None, "torch Adafactor (factored second moment; only weight "
-                               "decay is read)", "1e-4 .. 1e-3", "factored rows/cols (~0 B)"),
+    "adafactor": OptimizerSpec(_adafactor, None, "torch Adafactor (factored second moment; relative steps "
+                               "scaled by each parameter's RMS, so a zero lora_up starts slowly: prefer "
+                               "adafactor_fixed; only weight decay is read)", "1e-2 (relative)", "factored rows/cols (~0 B)"),
+    "adafactor_fixed": OptimizerSpec(_adafactor_fixed, PYTORCH_OPTIMIZER, "Adafactor with a fixed lr (relative "
+                                     "step off) and an fp32 first moment: the LoRA trainers' Adafactor", "1e-4 .. 5e-4",
+                                     "4 B + factored rows/cols (first moment)"),
     "lion": OptimizerSpec(_lion, PYTORCH_OPTIMIZER, "Lion: sign updates, one moment (lr 3-10x below AdamW's, "
                           "weight decay 3-10x above; betas 0.9, 0.99 recommended)", "1e-5 .. 5e-5",
                           "4 B (1 moment)"),

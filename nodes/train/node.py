@@ -16,11 +16,13 @@ from ...training import optim, sampling
 from ...training.checkpoint import TrainingState
 from ...training.loop import Hooks, StepReport, train
 from ...training.settings import NAN_POLICIES, TrainSettings
+from ...training.views import EMA_SAVE
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
 from .captions import with_empty_caption
 from .data import build_dataset
 from .checkpoint_files import verify_resume
+from .ema_files import ema_writer
 from ..checks.graph import refusal
 from .glue import checkpoint_writer, fork_lora, model_fns, training_session
 from .jobs import finish_job, start_job, stopped_runs
@@ -51,16 +53,17 @@ def _combo(name: str, options: list[str], tip: str) -> io.Combo.Input:
 
 
 def _optimizer_tip() -> str:
-    rows = [f"{n}: {reason or 'available'}" for n, reason in optim.available().items()]
-    return "Optimizer. " + "; ".join(rows)
+    """From the registry: what each optimizer is for, its LoRA learning rate, and whether it is installed."""
+    return "Optimizer (docs/optimizers.md). " + "; ".join(optim.describe())
 
 
 def _settings_inputs() -> list:
     return [
         _combo("optimizer", list(optim.OPTIMIZERS), _optimizer_tip()),
-        _float("learning_rate", 0.0, 10.0, 1e-6, "Base learning rate (> 0). LoRA: 1e-5 .. 1e-3; Prodigy: 1.0."),
+        _float("learning_rate", 0.0, 10.0, 1e-6, "Base learning rate (> 0). Each optimizer's LoRA range is in the optimizer tooltip "
+               "(AdamW 1e-4 .. 5e-4, Lion 1e-5 .. 5e-5, Prodigy 1.0)."),
         _float("weight_decay", 0.0, 1.0, 1e-4, "Decoupled weight decay (AdamW) / L2 (SGD, Adafactor)."),
-        _float("beta1", 0.0, 0.9999, 1e-4, "Adam beta1 / SGD momentum."),
+        _float("beta1", 0.0, 0.9999, 1e-4, "Adam beta1 / SGD and Muon momentum."),
         _float("beta2", 0.0, 0.99999, 1e-5, "Adam beta2."),
         _float("eps", 1e-12, 1e-3, 1e-9, "Adam epsilon."),
         _combo("lr_schedule", list(optim.SCHEDULES), "Learning-rate schedule; decaying ones reach 0 at schedule_steps."),
@@ -96,6 +99,25 @@ def _settings_inputs() -> list:
                      tooltip="Block swap: keep this many transformer blocks in host memory and stream each to the "
                              "GPU just before it runs (forward and backward), for far less VRAM at some speed. "
                              "Needs gradient_checkpointing; at most the model's block count - 1. 0 = off."),
+        *_ema_inputs(),
+    ]
+
+
+def _ema_inputs() -> list:
+    """EMA of the LoRA weights (issue 26 item 2); optional, so workflows saved before them still validate."""
+    return [
+        io.Float.Input("ema_decay", default=DEFAULTS.ema_decay, min=0.0, max=0.99999, step=1e-5, optional=True,
+                       tooltip="EMA of the LoRA weights: fp32 shadow <- decay x shadow + (1 - decay) x weights after "
+                               "every step (0 = off; 0.99 .. 0.9999 typical). Not with schedule-free optimizers."),
+        io.Int.Input("ema_warmup", default=DEFAULTS.ema_warmup, min=0, max=1000000, step=1, optional=True,
+                     tooltip="Steps over which the EMA decay ramps up linearly from 0 (0 = full decay from the first step)."),
+        io.Boolean.Input("ema_on_cpu", default=DEFAULTS.ema_on_cpu, optional=True,
+                         tooltip="Keep the EMA's fp32 shadow in host memory (saves 4 bytes per LoRA parameter of "
+                                 "VRAM, costs one copy of the LoRA to the host per step)."),
+        io.Combo.Input("ema_save", options=list(EMA_SAVE), default=DEFAULTS.ema_save, optional=True,
+                       tooltip="; ".join(f"{k}: {v}" for k, v in EMA_SAVE.items())),
+        io.Boolean.Input("ema_preview", default=DEFAULTS.ema_preview, optional=True,
+                         tooltip="Previews sample with the EMA weights instead of the trained ones."),
     ]
 
 
@@ -334,7 +356,8 @@ class PrecisionTrainLoRA(PrecisionNode):
         on_step = _step_hook(job, node_id, prompt_id, steps, start)
         hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
-                      is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException))
+                      is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException),
+                      save_ema=ema_writer(out, lora_set, name, cfg))
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,

@@ -112,9 +112,11 @@ def test_flux_latent_into_cosmos_model_is_rejected(env):
 SETTINGS_CASES = [
     ({"learning_rate": 0.0}, r"PrecisionTrainSettings: TrainSettings.learning_rate=0.0: must be > 0"),
     ({"learning_rate": -1e-4}, r"input 'learning_rate'=-0.0001 is below the minimum 0; use a value in \[0, 10\]"),
-    ({"optimizer": "lion"}, r"PrecisionTrainSettings: input 'optimizer'='lion' is not an option; choose one of"),
+    ({"optimizer": "fromage"}, r"PrecisionTrainSettings: input 'optimizer'='fromage' is not an option; choose one of"),
     ({"optimizer": "adamw8bit"}, r"input 'optimizer'='adamw8bit' is unavailable: pip install bitsandbytes, or choose 'adamw'"),
-    ({"optimizer": "prodigy"}, r"input 'optimizer'='prodigy' is unavailable: pip install prodigyopt"),
+    ({"optimizer": "adamw4bit_ao"}, r"input 'optimizer'='adamw4bit_ao' is unavailable: pip install torchao"),
+    ({"optimizer": "schedulefree_adamw", "ema_decay": 0.99}, r"TrainSettings.ema_decay=0.99: an EMA on top of the "
+     r"schedule-free optimizer 'schedulefree_adamw' is not offered"),
     # D5 (issue 13): NaN passed every range check; these reached the loop (clipping / DOP silently off)
     ({"max_grad_norm": float("nan")}, r"input 'max_grad_norm'=nan is not a finite number; use a value in \[0, 1000\]"),
     ({"dop_multiplier": float("nan")}, r"input 'dop_multiplier'=nan is not a finite number"),
@@ -130,8 +132,8 @@ def test_settings_node_rejects_bad_values(env, change, message):
 
     if "bitsandbytes" in message and importlib.util.find_spec("bitsandbytes"):
         pytest.skip("bitsandbytes is installed here, so adamw8bit is available")
-    if "prodigyopt" in message and importlib.util.find_spec("prodigyopt"):
-        pytest.skip("prodigyopt is installed here, so prodigy is available")
+    if "torchao" in message and importlib.util.find_spec("torchao"):
+        pytest.skip("torchao is installed here, so adamw4bit_ao is available")
     kwargs = {**env.Settings().to_dict(), **change}
     with pytest.raises(ValueError, match=message):
         env.train.PrecisionTrainSettings.execute(**kwargs)

@@ -12,8 +12,9 @@ from training.optim import BASE_LR_KEY, OPTIMIZERS, Hyperparams, apply_lr, avail
 from training.optim import build_optimizer as _build_optimizer
 from training.settings import TrainSettings
 
-# The optimizers issue 26 asks for from pytorch_optimizer (adafactor is torch's own).
-PYTORCH_OPTIMIZER_ONES = ("prodigy", "schedulefree_adamw", "came", "lion", "adopt", "ademamix", "soap", "muon")
+# The optimizers issue 26 asks for from pytorch_optimizer (plain adafactor is torch's own).
+PYTORCH_OPTIMIZER_ONES = ("prodigy", "schedulefree_adamw", "came", "adafactor_fixed", "lion", "adopt", "ademamix", "soap",
+                          "muon")
 
 
 def build_optimizer(groups, s: TrainSettings):

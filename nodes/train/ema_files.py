@@ -1,0 +1,37 @@
+"""The EMA LoRA written beside a run's checkpoints (``ema_save`` "beside", issue 26 item 2).
+
+The loop puts the EMA weights into the LoRA set (``training.views``) and calls the writer with the step; the
+file is ``models/loras/<name>/<name>_step<N>_ema.safetensors`` (a free name: an existing file is never
+overwritten), with the keys and metadata of a checkpoint, so every LoRA loader lists and loads it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ...lora.file import default_key_style, lora_state_dict, save_lora_file
+from ...lora.layer import LoRASet
+from ...training.checkpoint import LORA_SUFFIX
+from ...training.guard import assert_finite
+from ...training.settings import TrainSettings
+from ..model.info import describe_model
+from ..lora.glue import build_lora_metadata
+from .checkpoint_files import free_base, run_folder
+
+
+def ema_writer(model: Any, lora_set: LoRASet, name: str, cfg: TrainSettings) -> Callable[[int], str] | None:
+    """``Hooks.save_ema`` for a run named ``name``, or None when the settings write no EMA file."""
+    if cfg.ema_decay <= 0 or cfg.ema_save != "beside":
+        return None
+    info = describe_model(model)
+
+    def save(step: int) -> str:
+        path = free_base(run_folder(name), f"{name}_step{step:06d}_ema") + LORA_SUFFIX
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tensors = lora_state_dict(lora_set, default_key_style(info.family), "fp32")
+        assert_finite(tensors, f"EMA LoRA {os.path.basename(path)}")
+        md = build_lora_metadata(model, info, lora_set, {
+            "ss_steps": step, "precision_lora_ema": f"decay {cfg.ema_decay}, warmup {cfg.ema_warmup} steps"})
+        return save_lora_file(path, tensors, md)
+
+    return save
