@@ -95,8 +95,8 @@ def _category_bytes(snapshot: dict) -> dict[str, int]:
 def saved_tensor_census(into: list[dict], grad_module: Any = None, exclude: frozenset = frozenset()) -> Iterator[None]:
     """Record every tensor autograd saves in the body (storage bytes, shape, dtype), one
     entry per storage; the five largest are what the report names. ``grad_module``: the pack's
-    ``training.grad``, whose own saved-tensor hook (in-place-safe clones; the innermost hook wins) is
-    wrapped for the body so what it stores is recorded too. ``exclude``: storages (``_cdata``) not to
+    ``training.grad``, whose own saved-tensor hooks (the innermost hook wins) are wrapped for the body so
+    what they store is recorded too. ``exclude``: storages (``_cdata``) not to
     count, the weights (a saved ``weight.t()`` view is the weight, not an activation)."""
     seen: set[int] = set()
 
@@ -111,15 +111,22 @@ def saved_tensor_census(into: list[dict], grad_module: Any = None, exclude: froz
             into.append({"bytes": int(nbytes), "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")})
         return t
 
-    inner = getattr(grad_module, "_pack", None)
-    if inner is not None:
-        grad_module._pack = lambda t: note(inner(t))
+    def stored(packed: Any) -> Any:  # what the pack's hook keeps: a copy, or the tensor itself (``_Kept``)
+        note(getattr(packed, "tensor", packed))
+        return packed
+
+    # the pack's own hooks (training.grad: copies of in-place-modified tensors, kept inputs); the innermost
+    # hook wins, so each is wrapped for the body and what it stores is recorded
+    wrapped = {name: getattr(grad_module, name) for name in ("_pack", "_keep", "_copy_or_keep")
+               if grad_module is not None and hasattr(grad_module, name)}
+    for name, inner in wrapped.items():
+        setattr(grad_module, name, lambda *a, _inner=inner: stored(_inner(*a)))
     try:
         with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
             yield
     finally:
-        if inner is not None:
-            grad_module._pack = inner
+        for name, inner in wrapped.items():
+            setattr(grad_module, name, inner)
 
 
 def tracked_steps(step: Callable[[], None], modules: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
@@ -157,7 +164,7 @@ def make_step(predict: Callable[..., torch.Tensor], x0: torch.Tensor, cond: Any,
 
     def step() -> None:
         noise = torch.randn_like(x0)
-        u = torch.full((x0.shape[0],), 0.5, dtype=torch.float64)
+        u = torch.full((x0.shape[0],), 0.5, dtype=torch.float64, device=x0.device)
         sigma = torch.full((x0.shape[0],), 0.5, dtype=torch.float32, device=x0.device)
         x_t = fns.noise_latent(sigma, noise, x0)
         target = fns.target(sigma, noise, x0)

@@ -8,9 +8,15 @@
   activation that is not a Parameter, so a later in-place write cannot change what backward reads.
   It cannot rescue inference tensors (autograd rejects them before any hook runs): inputs and weights
   made under inference mode must be cloned once with ``clone_if_inference`` before the forward.
-- ``checkpoint_blocks()`` wraps each block's ``forward`` in reentrant activation checkpointing with
-  cloned tensor inputs (a block input is modified in place by the next residual add, so the saved input
-  must be a copy), under the same hooks during recomputation. Forwards are restored on exit.
+- ``checkpoint_blocks()`` wraps each block's ``forward`` in reentrant activation checkpointing. What it
+  keeps per block is the block's inputs as they are (no copies: a tensor shared by every block, Flux's
+  rotary ``pe``, is kept once; only one input is made to require grad when none does, so ``pe`` and
+  ``vec`` get no gradient graph). The recomputation runs the block on copies of its inputs (it adds
+  residuals to them in place) and copies only the saved tensors that share storage with those inputs
+  (the residual stream the block modifies in place); everything else it saves is kept as it is.
+  Every tensor kept without a copy has its version checked at unpack: an in-place write after the save
+  raises instead of giving wrong gradients (autograd skips its own check when hooks are installed).
+  Forwards are restored on exit.
 """
 from __future__ import annotations
 
@@ -49,6 +55,44 @@ def _pack(t: torch.Tensor) -> torch.Tensor:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class _Kept:
+    """A tensor saved for backward without a copy, with its version counter at save time."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+
+def _keep(t: torch.Tensor) -> Any:
+    return t if isinstance(t, nn.Parameter) else _Kept(t)
+
+
+def _checked(saved: Any) -> torch.Tensor:
+    """Unpack: a kept tensor must not have been written in place since it was saved."""
+    if isinstance(saved, _Kept):
+        if saved.tensor._version != saved.version:
+            raise RuntimeError(
+                "[Precision LoRA] a tensor saved for backward inside a checkpointed block was modified in place "
+                f"after it was saved (shape {list(saved.tensor.shape)}, {saved.tensor.dtype}); this model's blocks "
+                "write in place to something other than their inputs: train without gradient_checkpointing")
+        return saved.tensor
+    return saved
+
+
+def _copy_streams(inputs: Sequence[torch.Tensor]) -> Any:
+    """Saved-tensor hooks that copy what shares storage with ``inputs`` (what the block adds to in place)
+    and keep everything else without a copy (version-checked)."""
+    streams = frozenset(t.untyped_storage()._cdata for t in inputs)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: _copy_or_keep(t, streams), _checked)
+
+
+def _copy_or_keep(t: torch.Tensor, streams: frozenset) -> Any:
+    if isinstance(t, nn.Parameter):
+        return t
+    return t.clone() if t.untyped_storage()._cdata in streams else _Kept(t)
 
 
 @contextlib.contextmanager
@@ -114,12 +158,19 @@ def _rebuild(template: Any, tensors: Sequence[torch.Tensor]) -> tuple[list, dict
     return _fill(args, tensors), _fill(kwargs, tensors)
 
 
-def _prepare_input(t: torch.Tensor) -> torch.Tensor:
-    """Private copy of a block input (a later in-place write to the caller's tensor cannot reach the copy
-    checkpointing saves); float inputs require grad so reentrant checkpointing keeps the graph."""
-    if not t.is_floating_point() or t.requires_grad:
-        return t.clone()
-    return t.detach().clone().requires_grad_(True)
+def _prepare_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The block inputs checkpointing keeps, without copies. Reentrant checkpointing keeps the graph only
+    when an input requires grad: when none does (the first block), the first float input is made to
+    (a detached view, same storage); inputs that need no gradient (Flux's ``pe``, ``vec``) stay as they
+    are, so the recomputation builds no gradient graph for them."""
+    if any(t.requires_grad for t in tensors):
+        return tensors
+    out = list(tensors)
+    for i, t in enumerate(out):
+        if t.is_floating_point():
+            out[i] = t.detach().requires_grad_(True)
+            break
+    return out
 
 
 class RNGState(Protocol):
@@ -135,7 +186,7 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> An
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         tensors, template = _split(args, kwargs)
-        tensors = [_prepare_input(t) for t in tensors]
+        tensors = _prepare_inputs(tensors)
         # torch replays only the global RNG; explicit generators (LoRA dropout) are replayed here: the
         # recomputation draws the forward's masks, then the generators continue where the forward left them
         at_forward = None if rng is None else rng.get_state()
@@ -145,9 +196,11 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> An
             if not in_place_adds:  # blocks without in-place residual adds need neither clone
                 a, k = _rebuild(template, ts)
                 return forward(*a, **k)
-            # Recomputation sees detached leaf inputs; the block adds to them in place, so give it clones.
-            a, k = _rebuild(template, [t.clone() for t in ts])
-            with clone_saved_tensors():
+            # The block adds to its inputs in place: it runs on copies (the kept inputs stay as they were),
+            # and of what it saves only what shares storage with them is copied.
+            copies = [t.clone() for t in ts]
+            a, k = _rebuild(template, copies)
+            with _copy_streams(copies):
                 return forward(*a, **k)
 
         def body(*ts: torch.Tensor) -> Any:
@@ -161,7 +214,9 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> An
             finally:
                 rng.set_state(now)
 
-        return checkpoint(body, *tensors, use_reentrant=True, preserve_rng_state=True)
+        # the inputs are kept as they are (an enclosing clone_saved_tensors would copy each, pe included)
+        with torch.autograd.graph.saved_tensors_hooks(_keep, _checked):
+            return checkpoint(body, *tensors, use_reentrant=True, preserve_rng_state=True)
 
     return run
 
@@ -172,8 +227,9 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
                       rng: RNGState | None = None) -> Iterator[int]:
     """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
 
-    ``in_place_adds``: the blocks add residuals in place (e.g. Flux), so the recomputation clones block
-    inputs and saved tensors; False (blocks that add out of place) skips the copies.
+    ``in_place_adds``: the blocks add residuals in place (e.g. Flux), so the recomputation runs on copies
+    of the block inputs and copies the saved tensors that share their storage; False (blocks that add out
+    of place) skips the copies.
     ``rng``: explicit generators the blocks draw from (LoRA dropout): the recomputation replays their
     draws, which torch's ``preserve_rng_state`` does not, and leaves them where the forward left them.
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
@@ -194,10 +250,22 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
                 block.forward = previous  # type: ignore[method-assign]
 
 
+# UNets (SD1.x/SDXL): ComfyUI runs the layers of each TimestepEmbedSequential itself
+# (``forward_timestep_embed``), never the sequential's own forward, so their blocks are those layers.
+UNET_GROUPS = ("input_blocks", "middle_block", "output_blocks")
+
+
 def find_block_lists(root: nn.Module, names: Sequence[str] = ()) -> list[nn.Module]:
     """Blocks to checkpoint: children of the named ModuleLists of ``root`` or, without names, of every
-    direct-child ModuleList (Flux: double_blocks + single_blocks; Cosmos: blocks)."""
+    direct-child ModuleList (Flux: double_blocks + single_blocks; Cosmos: blocks). When none of the
+    names is there, a UNet's layers: those inside ``input_blocks``, ``middle_block``, ``output_blocks``
+    (SD1.x/SDXL), in execution order."""
     lists = [getattr(root, n) for n in names if isinstance(getattr(root, n, None), nn.ModuleList)]
     if not names:
         lists = [m for m in root.children() if isinstance(m, nn.ModuleList) and len(m) >= 1]
+    if names and not lists:
+        groups = [getattr(root, n, None) for n in UNET_GROUPS]
+        sequences = [seq for g in groups if g is not None
+                     for seq in (g if isinstance(g, nn.ModuleList) else [g])]
+        return [layer for seq in sequences for layer in seq.children()]
     return [b for lst in lists for b in lst]
