@@ -104,7 +104,7 @@ def _ours(h, model, latents, cond, args, steps: int) -> int:
     glue, train = h.pack_module("nodes.lora.glue"), h.pack_module("nodes.train.node")
     lora, settings = h.pack_module("lora.config"), h.pack_module("training.settings")
     cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
-                                 weight_decay=0.01)
+                                 weight_decay=0.01, swap_blocks=args.swap)
     with torch.inference_mode():
         attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets="all", include=".+"))
         train.PrecisionTrainLoRA.execute([attached], latents, [cond], [steps], [0], ["bench"], settings=[cfg])
@@ -197,9 +197,10 @@ def child(args: argparse.Namespace) -> dict:
         comfy.utils.set_progress_bar_global_hook(None)
     step = clock.step_s(args.steps)
     dm = model.model.diffusion_model
-    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "step_s": step,
+    return {"trainer": args.trainer, "checkpointing": args.checkpointing, "swap": args.swap, "step_s": step,
             "setup_s": max(0.0, call - args.steps * step), "peak_bytes": mem.peak,
             "model": _model_label(args), "model_params": sum(p.numel() for p in dm.parameters()),
+            "device": "cuda" if cuda else "cpu",
             "lora_params": lora_params}
 
 
@@ -207,18 +208,18 @@ def _model_label(args: argparse.Namespace) -> str:
     return f"{args.width}x{args.blocks}" if args.width else "tiny"
 
 
-def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bool) -> dict:
+def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bool, swap: int = 0) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--trainer", trainer, "--family", args.family,
            "--rank", str(args.rank), "--size", str(args.size), "--steps", str(args.steps), "--warm-steps",
            str(args.warm_steps), "--dtype", args.dtype, "--threads", str(args.threads), "--width", str(width),
-           "--blocks", str(args.blocks)]
+           "--blocks", str(args.blocks), "--swap", str(swap)]
     if checkpointing:
         cmd.append("--checkpointing")
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     label = _model_label(argparse.Namespace(width=width, blocks=args.blocks))
     if out.returncode != 0 or not lines:
-        return {"trainer": trainer, "checkpointing": checkpointing, "model": label,
+        return {"trainer": trainer, "checkpointing": checkpointing, "swap": swap, "model": label,
                 "error": _error_line(out.stderr)}
     return json.loads(lines[-1])
 
@@ -250,6 +251,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--builtin-variants", default="",
                    help="extra built-in configurations, comma-separated, each options joined by '+', e.g. "
                         "'bypass_mode,checkpoint_depth=2,offloading' (ComfyUI 0.33's TrainLoraNode options)")
+    p.add_argument("--swap-blocks", type=int, default=0,
+                   help="block swap instead of the trainer comparison: ours with checkpointing, N blocks swapped "
+                        "vs none, side by side (N <= blocks - 1: the last block is not checkpointed)")
+    p.add_argument("--swap", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
@@ -262,15 +267,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if args.steps < 2:
         p.error(f"--steps {args.steps}: use >= 2 (step time is measured between the first and the last step)")
+    if args.swap_blocks < 0:
+        p.error(f"--swap-blocks {args.swap_blocks}: use 0 (off) or a count of blocks to swap")
     widths = _widths(p, args)
     _header(args)
     rows: list[dict] = []
     for width in widths:
+        if args.swap_blocks:
+            rows += _swap_rows(args, width)
+            continue
         trainers = trainer_names(args)
         runs = [_spawn(args, width, t, c) for _ in range(args.repeats) for c in (False, True) for t in trainers]
         best = _best(runs, trainers)
         rows += best
         _report(best, trainers)
+    return rows
+
+
+def _swap_rows(args: argparse.Namespace, width: int) -> list[dict]:
+    """Ours with checkpointing, no swap vs ``--swap-blocks`` swapped (interleaved repeats, fastest kept), printed
+    side by side with the ratio. Peak memory is what the device holds above the model's start: on a GPU the
+    swapped blocks' weights are not in it; on a CPU the device is the host, so only the time is comparable."""
+    runs = [_spawn(args, width, "ours", True, swap) for _ in range(args.repeats) for swap in (0, args.swap_blocks)]
+    rows = []
+    for swap in (0, args.swap_blocks):
+        good = [r for r in runs if r["swap"] == swap and "error" not in r]
+        mine = [r for r in runs if r["swap"] == swap]
+        rows.append(mine[0] if not good else {**good[0], "step_s": min(r["step_s"] for r in good),
+                                               "peak_bytes": min(r["peak_bytes"] for r in good)})
+    print(f"\nmodel {rows[0]['model']}: block swap, ours with checkpointing")
+    print(f"{'swapped':<10}{'s/step':>10}{'peak MiB':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['swap']:<10}  failed: {r['error']}")
+        else:
+            print(f"{r['swap']:<10}{r['step_s']:>10.4f}{r['peak_bytes'] / 2**20:>10.1f}")
+    if not any("error" in r for r in rows):
+        none, swapped = rows
+        print(f"ratio swap {args.swap_blocks}/none, model={none['model']}: time {swapped['step_s'] / none['step_s']:.2f}x, "
+              f"peak memory {swapped['peak_bytes'] / max(1, none['peak_bytes']):.2f}x"
+              f"{'' if 'cuda' in none.get('device', '') else ' (CPU: the device is the host; compare times only)'}",
+              flush=True)
     return rows
 
 

@@ -148,3 +148,33 @@ def test_swap_without_checkpointing_or_beyond_the_blocks_is_refused(mods, pack_m
         _run(mods, m, latent, cond, 1, _settings(mods, most + 1))
     msg = str(err.value)
     assert "PrecisionTrainSettings" in msg and f"'swap_blocks'={most + 1}" in msg and f"at most {most}" in msg
+
+
+def test_bench_prints_swap_beside_no_swap(loads, monkeypatch, capsys):
+    """bench/train.py --swap-blocks N: ours with checkpointing, N blocks swapped vs none, side by side with the
+    ratio. Each configuration runs in this process (the bench's own child function, not a subprocess: two
+    ComfyUI start-ups would cost a minute) and the swapped one streamed its block."""
+    import importlib.util
+    import json
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("bench_train_swap", os.path.join(root, "bench", "train.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    children: list[dict] = []
+
+    def spawn(args, width, trainer, checkpointing, swap=0):
+        argv = ["--child", "--quick", "--threads", "1", "--trainer", trainer, "--swap", str(swap)]
+        bench.main(argv + (["--checkpointing"] if checkpointing else []))
+        children.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        return children[-1]
+
+    monkeypatch.setattr(bench, "_spawn", spawn)
+    bench.main(["--quick", "--threads", "1", "--swap-blocks", "1"])
+    text = capsys.readouterr().out
+    assert [(c["swap"], c["checkpointing"], c["trainer"]) for c in children] == [(0, True, "ours"), (1, True, "ours")]
+    rows = re.findall(r"^([01])\s+([0-9.]+)\s+([0-9.]+)$", text, re.M)
+    assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows), text
+    assert re.search(r"^ratio swap 1/none, model=tiny: time [0-9.]+x", text, re.M), text
+    assert loads and set(loads) == {0}  # only the swapped run streamed, its one block
