@@ -371,6 +371,63 @@ def test_each_family_trains_a_short_run(opts, family):
     assert all(torch.isfinite(t).all() for t in tensors.values())
 
 
+def test_every_registry_optimizer_trains_through_the_server(opts):
+    """Issue 26: each installed optimizer of the registry (those the first test does not run) trains 2 steps;
+    every one gives a LoRA of its own (an option silently mapped to another optimizer would repeat one), and
+    Lion's first step is its closed form: up = -lr sign(g), every entry +-lr."""
+    done = {"adamw", "sgd", "adafactor"}
+    names = [n for n, reason in optimizers().items() if reason is None and n not in done]
+    graphs = {n: train_graph({"optimizer": n, "learning_rate": 1.0 if n == "prodigy" else 1e-2}, steps=2,
+                             name=f"o_opt_{n}") for n in names}
+    graphs["lion_first"] = train_graph({"optimizer": "lion", "weight_decay": 0.0, "max_grad_norm": 0.0}, steps=1,
+                                       name="o_opt_lion1")
+    runs = run_trainings(opts, graphs)
+    lion_ups = ups(runs.pop("lion_first")[0])
+    assert all(bool(((v.abs() - 1e-2).abs() < 1e-9).all()) for v in lion_ups.values()), "Lion's first step is not +-lr"
+    for name, (tensors, steps) in runs.items():
+        assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps), name
+        assert all(torch.isfinite(t).all() for t in tensors.values()) and norm(ups(tensors)) > 0, name
+    keys = sorted(runs)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            assert differs(runs[a][0], runs[b][0]) > 0, f"{a} and {b} trained the same LoRA"
+
+
+def test_ema_options_save_and_preview_the_average(opts):
+    """EMA of the LoRA (issue 26 item 2) from the per-step weights w1, w2 of the plain run (up factors start at
+    0): as_lora with decay 0.5 saves 0.25 w1 + 0.5 w2 (on the CPU or not: the same bits); beside with warmup 2
+    (decays 0.25, 0.5) saves the plain LoRA and writes <name>_step000002_ema.safetensors = 0.375 w1 + 0.5 w2;
+    ema_preview changes the preview images."""
+    ema = {"ema_decay": 0.5}
+    graphs = {"w1": train_graph({}, steps=1, name="o_ema_w1"), "w2": train_graph({}, steps=2, name="o_ema_w2"),
+              "as_lora": train_graph({**ema, "ema_save": "as_lora"}, steps=2, name="o_ema_lora"),
+              "on_cpu": train_graph({**ema, "ema_save": "as_lora", "ema_on_cpu": True}, steps=2, name="o_ema_cpu"),
+              "beside": train_graph({**ema, "ema_warmup": 2}, steps=2, name="o_ema_beside")}
+    for key, flag in (("preview_raw", False), ("preview_ema", True)):
+        g, ids = train_graph({"ema_decay": 0.9, "ema_preview": flag, "learning_rate": 0.05}, steps=2, name=f"o_{key}")
+        vae = g.add("VAELoader", vae_name=VAE)
+        g.nodes[ids["train"]]["inputs"]["preview"] = out(g.add(
+            "PrecisionPreviewSettings", positive=out(ids["cond"]), vae=out(vae), sampler_name="euler",
+            scheduler="simple", steps=2, cfg=1.0, width=32, height=32, batch_size=1, seed=0, every_n_steps=0,
+            at_start=False, at_end=True))
+        graphs[key] = (g, ids)
+    runs = run_trainings(opts, graphs)
+    w1, w2 = ups(runs["w1"][0]), ups(runs["w2"][0])
+    assert_same(ups(runs["as_lora"][0]), {k: 0.25 * w1[k] + 0.5 * w2[k] for k in w2}, atol=1e-9, rtol=1e-6)
+    assert_same(runs["on_cpu"][0], runs["as_lora"][0])
+    assert_same(runs["beside"][0], runs["w2"][0])
+    folder = opts.path("models", "loras", "o_ema_beside")
+    beside = safetensors.torch.load_file(os.path.join(folder, "o_ema_beside_step000002_ema.safetensors"))
+    assert_same(ups(beside), {k: 0.375 * w1[k] + 0.5 * w2[k] for k in w2}, atol=1e-9, rtol=1e-6)
+    images = []
+    for key in ("preview_raw", "preview_ema"):
+        (name,) = os.listdir(opts.path("output", "precision_lora", "previews", f"o_{key}"))
+        path = opts.path("output", "precision_lora", "previews", f"o_{key}", name)
+        images.append(torch.tensor(list(Image.open(path).convert("RGB").getdata()), dtype=torch.float32))
+    assert_same(runs["preview_raw"][0], runs["preview_ema"][0])  # the trained LoRA is the same
+    assert (images[0] - images[1]).abs().max() > 0  # the previews sampled other weights
+
+
 def test_every_train_option_went_through_the_server(opts):
     """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and
     every widget of the input-list node (Train LoRA) came through a link; every option of the pack's own
