@@ -24,6 +24,7 @@ from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
 from ...lora.targets import select_targets
 from ..checks.file_names import inside, name_problem
+from ..host.quantized import check_layer, is_linear, layer_weight
 from ..model.info import ModelInfo, describe_model
 
 log = logging.getLogger(__name__)
@@ -47,24 +48,19 @@ class LoRAForward:
             if a.down.device != x.device:
                 with torch.inference_mode(False):  # else Module.to would make its parameters inference tensors
                     a.to(x.device)  # adapters are not submodules of the model: follow the input's device
-        cast = getattr(m, "comfy_cast_weights", False) or getattr(m, "weight_function", None) or getattr(m, "bias_function", None)
-        if cast:
-            weight, bias, stream = comfy.ops.cast_bias_weight(m, x, offloadable=True)
-        else:
-            weight, bias, stream = m.weight, m.bias, None
+        weight, bias, release = layer_weight(m, x)  # ComfyUI's cast, dequantized (fp8, scaled fp8, quant_ops)
         if torch.is_grad_enabled() and weight.is_inference():
             weight = weight.clone()  # autograd cannot save inference tensors (weights loaded inside a node)
             bias = None if bias is None else bias.clone()
         out = lora_linear(x, weight, bias, self.adapters)
-        if cast:
-            comfy.ops.uncast_bias_weight(m, weight, bias, stream)
+        release()
         return out
 
 
 def linear_layers(model) -> dict[str, tuple[int, int]]:
     """Every Linear of the diffusion model: path → (in_features, out_features)."""
     dm = model.model.diffusion_model
-    return {name: (m.in_features, m.out_features) for name, m in dm.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {name: (m.in_features, m.out_features) for name, m in dm.named_modules() if is_linear(m)}
 
 
 def model_family(model) -> str:
@@ -90,8 +86,9 @@ def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KE
     dm = model.model.diffusion_model
     modules = dict(dm.named_modules())
     for path, adapter in lora_set.adapters().items():
-        if path not in modules or not isinstance(modules[path], torch.nn.Linear):
+        if path not in modules or not is_linear(modules[path]):
             raise ValueError(f"[Precision LoRA] LoRA module '{path}' is not a linear layer of this model")
+        check_layer(modules[path], path)
         key = f"{_PREFIX}{path}.forward"
         previous = patched.object_patches.get(key)
         earlier = previous.adapters if isinstance(previous, LoRAForward) else ()

@@ -17,6 +17,7 @@ import folder_paths
 from ..checks.gate import PrecisionNode
 from ..host.comfy_compat import fit_flux_config, set_reload
 from ..host.comfy_io import io
+from ..host.quantized import prepare_state_dict, quantized_as_inference
 from .info import UNET_CONFIG_KEY, describe_model
 
 log = logging.getLogger(__name__)
@@ -28,23 +29,34 @@ WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
     "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
 
 
 def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
-                            dtype: torch.dtype | None = torch.float32) -> comfy.model_patcher.ModelPatcher:
+                            dtype: torch.dtype | None = torch.float32,
+                            metadata: dict | None = None) -> comfy.model_patcher.ModelPatcher:
     """A ModelPatcher around the real ComfyUI model class for ``unet_config`` (weights from state_dict if given).
 
-    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another)."""
+    Flux configs are fitted to this ComfyUI's ``FluxParams`` (files written on one version load on another).
+    A quantized state dict (fp8, ComfyUI's scaled fp8, per-layer ``comfy.quant_ops`` formats) gets the layers
+    ComfyUI's own loader builds for it (``host.quantized.prepare_state_dict``); dtype None chooses as
+    ComfyUI's loader does, from the file's weight dtype (docs/quantized.md)."""
     if unet_config.get("image_model") in ("flux", "flux2"):
         unet_config = fit_flux_config(unet_config)
     model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
     if model_config is None:
         raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
+    per_layer = False
+    if state_dict is not None:
+        state_dict, per_layer = prepare_state_dict(model_config, state_dict, metadata)
     load_device = comfy.model_management.get_torch_device()
+    supported = list(model_config.supported_inference_dtypes)
     if dtype is None:
-        dtype = comfy.model_management.unet_dtype(supported_dtypes=list(model_config.supported_inference_dtypes))
-    manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, model_config.supported_inference_dtypes)
+        stored = None if per_layer or getattr(model_config, "scaled_fp8", None) else comfy.utils.weight_dtype(state_dict or {})
+        dtype = comfy.model_management.unet_dtype(model_params=comfy.utils.calculate_parameters(state_dict or {}),
+                                                  supported_dtypes=supported, weight_dtype=stored)
+    manual_cast = comfy.model_management.unet_manual_cast(None if per_layer else dtype, load_device, supported)
     model_config.set_inference_dtype(dtype, manual_cast)
     model = model_config.get_model(state_dict or {}, "")
     model = model.to(comfy.model_management.unet_offload_device())
@@ -81,7 +93,7 @@ def load_model_file(path: str, weight_dtype: str = "default"):
     with torch.inference_mode(False):
         sd, metadata = _read_file(path)
         if UNET_CONFIG_KEY in metadata:
-            model = build_model_from_config(json.loads(metadata[UNET_CONFIG_KEY]), sd, dtype)
+            model = build_model_from_config(json.loads(metadata[UNET_CONFIG_KEY]), sd, dtype, metadata)
         else:
             try:
                 model = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": dtype} if dtype else {}, metadata)
@@ -91,6 +103,7 @@ def load_model_file(path: str, weight_dtype: str = "default"):
     if model is None:
         raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} is not a diffusion model ComfyUI "
                          "recognises (no model type detected); choose a diffusion model (UNet/DiT) file")
+    quantized_as_inference(model.model.diffusion_model)  # as ComfyUI's own loader makes them (see there)
     return set_reload(model, _reload, path, weight_dtype)
 
 

@@ -32,6 +32,7 @@ from ...training.loop import ModelFns
 from ...training.settings import TrainSettings
 from . import checkpoint_files, swap_glue
 from ..host.comfy_compat import model_gradients
+from ..host.quantized import is_quantized
 from ..lora.glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
 from ..model.info import describe_model
 
@@ -169,7 +170,7 @@ def normal_weights(dm: torch.nn.Module) -> int:
     tensor is freed as its copy is made (tied ones after the pass), so the peak grows by about one tensor.
     """
     slots = [(table, attr) for module in dm.modules() for table in (module._parameters, module._buffers)
-             for attr, t in table.items() if t is not None and t.is_inference()]
+             for attr, t in table.items() if t is not None and t.is_inference() and not is_quantized(t)]
     uses = collections.Counter(id(table[attr]) for table, attr in slots)  # all alive: ids are unique here
     shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied tensors: (old, kept alive; copy)
     with torch.inference_mode(False):
