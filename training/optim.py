@@ -16,7 +16,7 @@ import torch
 
 from .optimizers import OPTIMIZERS, Hyperparams, OptimizerSpec
 
-__all__ = ["OPTIMIZERS", "Hyperparams", "OptimizerSpec", "available", "build_optimizer", "describe",
+__all__ = ["OPTIMIZERS", "Hyperparams", "OptimizerSpec", "available", "build_optimizer", "describe", "markdown_table",
            "schedule_free", "keep_settings_on_load", "SCHEDULES", "Schedule", "lr_multiplier", "apply_lr"]
 
 BASE_LR_KEY = "precision_base_lr"  # per-group lr before the schedule (LoRA+ groups differ)
@@ -37,6 +37,15 @@ def describe() -> list[str]:
     av = available()
     return [f"{n}: {spec.description}; lr {spec.lr}" + (f" ({av[n]})" if av[n] else "")
             for n, spec in OPTIMIZERS.items()]
+
+
+def markdown_table() -> str:
+    """The optimizer table of docs/optimizers.md, from the registry (a test keeps the two equal)."""
+    rows = ["| optimizer | what it is for | LoRA learning rate | state per parameter | needs |",
+            "|---|---|---|---|---|"]
+    for name, spec in OPTIMIZERS.items():
+        rows.append(f"| `{name}` | {spec.description} | {spec.lr} | {spec.state} | {spec.package or 'torch'} |")
+    return "\n".join(rows)
 
 
 def available() -> dict[str, str | None]:
