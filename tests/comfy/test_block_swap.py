@@ -178,3 +178,38 @@ def test_bench_prints_swap_beside_no_swap(loads, monkeypatch, capsys):
     assert [r[0] for r in rows] == ["0", "1"] and all(float(r[1]) > 0 for r in rows), text
     assert re.search(r"^ratio swap 1/none, model=tiny: time [0-9.]+x", text, re.M), text
     assert loads and set(loads) == {0}  # only the swapped run streamed, its one block
+
+
+def test_previews_sample_through_the_swap_and_leave_placement_alone(mods, pack_module):
+    """A preview samples with the training model mid-run (ComfyUI's sampler calls load_models_gpu on it, and
+    the previewer again after decoding): the images and the training are those of the run without swap, and
+    model management kept the model as the swap placed it (its resident bytes, never a full load) throughout."""
+    from preview_vae import tiny_vae
+
+    node = pack_module("nodes.train.preview_node").PrecisionPreviewSettings
+    m, latent, cond = _setup(mods, "flux1")
+    base = m.model
+    pv = node.execute(positive=cond, vae=tiny_vae(), sampler_name="euler", scheduler="simple", steps=2, cfg=1.0,
+                      width=32, height=32, batch_size=1, seed=7, every_n_steps=2, at_start=True,
+                      at_end=True).result[0]
+    seen: list[int] = []
+    original = mods.swap.BlockSwap.before
+
+    def spy(self, i):
+        seen.append(base.model_loaded_weight_memory)
+        return original(self, i)
+
+    runs = {}
+    for swap in (0, 1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mods.swap.BlockSwap, "before", spy)
+            with torch.inference_mode():
+                out = mods.train.PrecisionTrainLoRA.execute([m], [latent], [cond], [3], [0], [f"swap_pv{swap}"],
+                                                            settings=[_settings(mods, swap)], preview=[pv])
+        runs[swap] = out.result
+    (ref, on) = runs[0], runs[1]
+    assert on[2]["loss"] == ref[2]["loss"] and _same(_saved(mods, on[0]), _saved(mods, ref[0]))
+    assert torch.equal(on[4], ref[4])  # the last preview's images, sampled through the streamed block
+    whole = sum(t.numel() * t.element_size() for t in (*base.parameters(), *base.buffers()))
+    # training (3 steps x 2) and 3 previews of 2 sampling steps each went through the swap
+    assert len(seen) >= 3 * 2 + 3 * 2 and len(set(seen)) == 1 and 0 < seen[0] < whole
