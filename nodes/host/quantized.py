@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 
 import torch
@@ -52,16 +53,31 @@ def is_gguf(t: object) -> bool:
                                                   and hasattr(t, "tensor_shape"))
 
 
-def check_layer(module: torch.nn.Module, path: str, node: str = "PrecisionAttachLoRA") -> None:
+GGUF_ALTERNATIVE = ("load the same model as fp8 or scaled-fp8 safetensors (or bf16) with Load Diffusion Model "
+                    "(Precision) or ComfyUI's Load Diffusion Model instead; a GGUF model can still use a trained "
+                    "LoRA through ComfyUI's LoraLoaderModelOnly")
+
+
+def refuse_gguf_file(path: str, node: str) -> None:
+    """Raise ValueError naming the alternative when ``path`` is a GGUF file (by its magic bytes or name)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return  # the loader reports a missing or unreadable file itself
+    if magic == b"GGUF" or path.lower().endswith(".gguf"):
+        raise ValueError(f"[Precision LoRA] {node}: {os.path.basename(path)!r} is a GGUF file; training on GGUF "
+                         f"weights is not supported: {GGUF_ALTERNATIVE}")
+
+
+def check_layer(module: torch.nn.Module, path: str) -> None:
     """Raise ValueError for a layer whose weight the LoRA forward cannot dequantize (GGUF)."""
     weight = getattr(module, "weight", None)
     if is_gguf(weight):
         kind = getattr(getattr(weight, "tensor_type", None), "name", None) or "quantized"
-        raise ValueError(
-            f"[Precision LoRA] {node}: layer '{path}' holds GGUF ({kind}) weights from ComfyUI-GGUF's loader; "
-            "training or fp32 LoRA on GGUF is not supported. Load the same model as fp8 or scaled-fp8 "
-            "safetensors (or bf16) with Load Diffusion Model (Precision) or ComfyUI's Load Diffusion Model "
-            "instead; a GGUF model can still use a trained LoRA through ComfyUI's LoraLoaderModelOnly")
+        raise ValueError(f"[Precision LoRA] layer '{path}' holds GGUF ({kind}) weights from ComfyUI-GGUF's loader; "
+                         "the pack's LoRA layers (Attach LoRA, Train LoRA, Load LoRA in fp32 mode) do not run on "
+                         f"GGUF weights: {GGUF_ALTERNATIVE}")
 
 
 def is_linear(module: torch.nn.Module) -> bool:

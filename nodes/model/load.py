@@ -17,7 +17,7 @@ import folder_paths
 from ..checks.gate import PrecisionNode
 from ..host.comfy_compat import fit_flux_config, set_reload
 from ..host.comfy_io import io
-from ..host.quantized import prepare_state_dict, quantized_as_inference
+from ..host.quantized import prepare_state_dict, quantized_as_inference, refuse_gguf_file
 from .info import UNET_CONFIG_KEY, describe_model
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def load_model_file(path: str, weight_dtype: str = "default"):
                          f"choose one of {', '.join(WEIGHT_DTYPES)}")
     dtype = WEIGHT_DTYPES[weight_dtype]
     # Nodes run under inference_mode; tensors created there cannot be saved for backward.
+    refuse_gguf_file(path, NODE)
     with torch.inference_mode(False):
         sd, metadata = _read_file(path)
         if UNET_CONFIG_KEY in metadata:

@@ -167,7 +167,7 @@ def _memorise(m, model, steps: int, lr: float, rank: int = 8):
     """Train a rank-``rank`` LoRA for ``steps`` steps on one latent with the noise fixed to one draw (so the
     loss can fall on a random tiny model; see test_train_memorise.py). Returns (losses, trained model)."""
     settings = m.Settings(learning_rate=lr)
-    latent, cond = make_latent(model, 1, width=32, height=32), make_conditioning(model, 1)
+    latent, cond = make_latent(model, 1, width=16, height=16), make_conditioning(model, 1)
     with torch.inference_mode():
         attached = m.glue.attach_lora(model, m.LoRAConfig(rank=rank, alpha=rank, targets="attention_mlp"))
         out, lora_set = m.tglue.fork_lora(attached)
@@ -195,9 +195,9 @@ def test_scaled_fp8_trains_and_its_lora_stock_loads_on_fp8_and_bf16(m, loader, c
     write_quantized(m, family, "scaled_fp8", name)
     model = load(m, loader, name)
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
-    losses, trained = _memorise(m, model, 20, 3e-3)
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
-    assert last < 0.8 * first, f"loss did not fall: first-4 mean {first:.4f}, last-4 mean {last:.4f}"
+    losses, trained = _memorise(m, model, 12, 4e-3)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.8 * first, f"loss did not fall: first-3 mean {first:.4f}, last-3 mean {last:.4f} ({losses})"
     after = model.model.diffusion_model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k].float(), after[k].float()) for k in before)
     with torch.inference_mode():
@@ -219,3 +219,32 @@ def test_scaled_fp8_trains_and_its_lora_stock_loads_on_fp8_and_bf16(m, loader, c
         # (fp8: about the LoRA's own size after 20 steps; bf16 much less)
         ratio = float((with_stock - with_ours).norm() / (plain - with_ours).norm())
         assert ratio < bound, f"stock LoRA on {base.model.diffusion_model.dtype if hasattr(base.model.diffusion_model, 'dtype') else base}: {ratio:.3f}"
+
+
+def test_a_gguf_file_is_refused_naming_the_alternative(m):
+    """GGUF (city96's format) is refused, not trained on (docs/quantized.md): the pack's loader names the file
+    and the formats to use instead, before reading any tensor."""
+    path = os.path.join(_folder(), "refused.gguf")
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match=r"PrecisionLoadDiffusionModel: 'refused.gguf' is a GGUF file; training "
+                                         r"on GGUF weights is not supported: load the same model as fp8 or "
+                                         r"scaled-fp8 safetensors"):
+        m.load.load_model_file(path)
+
+
+class GGMLTensor(torch.Tensor):
+    """What ComfyUI-GGUF's loader leaves in a layer: a tensor subclass of this name carrying ``tensor_type`` and
+    ``tensor_shape`` (city96/ComfyUI-GGUF, ops.py); the package is not installed here, so its marks are made."""
+
+
+def test_a_gguf_layer_is_refused_when_attaching(m):
+    model = m.tiny.build_tiny_model("flux1_dev")
+    layer = model.model.diffusion_model.double_blocks[0].img_attn.qkv
+    weight = layer.weight.detach().as_subclass(GGMLTensor)
+    weight.tensor_type, weight.tensor_shape = type("Q", (), {"name": "Q4_K"})(), layer.weight.shape
+    layer._parameters["weight"] = weight
+    with pytest.raises(ValueError, match=r"layer 'double_blocks.0.img_attn.qkv' holds GGUF \(Q4_K\) weights.*"
+                                         r"load the same model as fp8 or scaled-fp8 safetensors"):
+        m.glue.attach_lora(model, m.LoRAConfig(rank=4, alpha=4, targets="attention"))
+    assert not model.object_patches  # nothing attached
