@@ -13,7 +13,9 @@ What the tracker cannot see is added on its own lines (``overhead_gib``): the CU
 attention workspaces, and a fragmentation margin; attention FLOPs (the CPU flash op has no FLOP formula)
 are counted from the calls. Block swap (``--swap-blocks N``) is modelled, not run: the resident weights
 minus N swapped blocks plus two ring slots of the largest block (the executor is future work, #29 item 3).
-``--budget GIB`` picks the cheapest plan that fits: as given, then checkpointing, then swapping more blocks.
+``--budget GIB`` picks the cheapest plan that fits (``training.memory_plan``: no checkpointing, then
+checkpointing, then swapping more blocks). ``--device cuda`` (on a GPU machine) also runs the step for real
+with random weights at the real size and sets ``torch.cuda.max_memory_allocated`` beside the estimate.
 
 Usage::
 
@@ -28,15 +30,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
-# Allowances for what no tensor tracker sees (docs/memory.md says where each figure comes from).
-CUDA_CONTEXT_GIB = 0.6
-WORKSPACE_GIB = 0.25  # cuBLAS (cublasLt) + attention workspaces, about 2 streams' worth
-FRAGMENTATION = 0.05  # of the tracked peak: reserved minus allocated in the caching allocator
-RING_SLOTS = 2
 
 
 def _pack(name: str) -> Any:
@@ -69,7 +66,7 @@ def sdpa_override(counter: dict) -> Any:
     return override
 
 
-def _inputs(model: Any, size: int, tokens: int) -> tuple[Any, Any]:
+def _inputs(model: Any, size: int, tokens: int, device: Any = None) -> tuple[Any, Any]:
     """(x0 latent (1, ...), the model's processed conds) as the training node builds them."""
     import torch
 
@@ -78,7 +75,7 @@ def _inputs(model: Any, size: int, tokens: int) -> tuple[Any, Any]:
     cond = _conditioning(model, nodes, tokens)
     if hasattr(model.model.diffusion_model, "llm_adapter"):  # Anima: T5 ids beside the Qwen3 context
         cond[0][1].update(t5xxl_ids=torch.zeros(tokens, dtype=torch.int32), t5xxl_weights=torch.ones(tokens))
-    sample = data.build_samples(model, [latent], [cond], None, torch.device("cpu"))[0]
+    sample = data.build_samples(model, [latent], [cond], None, device or torch.device("cpu"))[0]
     return sample.latent.unsqueeze(0), sample.cond
 
 
@@ -112,11 +109,13 @@ def _patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
 
 
 def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: str = "attention",
-             tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_gemm: bool = False) -> dict:
+             tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_gemm: bool = False,
+             device: Any = None, on_second_step: Callable[[], None] | None = None) -> dict:
     """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds);
     returns bytes by category, the peak, the five largest saved tensors and FLOPs. ``cuda_gemm`` (fake
     tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no fp32 copies of
-    the operands; the CPU path upcasts them, a temporary a GPU never makes)."""
+    the operands; the CPU path upcasts them, a temporary a GPU never makes). ``device``: where the inputs
+    go (the model's device; default cpu); ``on_second_step``: called before the tracked steps."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -137,8 +136,8 @@ def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: 
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # real (small) inputs: the data checks read values
-            x0, cond = _inputs(attached, size, tokens)
-        fns = tglue.model_fns(attached, lora_set, settings, torch.device("cpu"))
+            x0, cond = _inputs(attached, size, tokens, device)
+        fns = tglue.model_fns(attached, lora_set, settings, device or torch.device("cpu"))
         cond = fns.collate([cond])
         groups = lora_set.param_groups(settings.learning_rate, settings.loraplus_ratio)
         masters = masters_mod.MasterWeights(groups, torch.Generator().manual_seed(0))
@@ -168,6 +167,8 @@ def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: 
                         step()
                     # forward + recomputation (counted as called) + backward (twice the forward's)
                     attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
+                    if on_second_step is not None:
+                        on_second_step()
                     tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
         finally:
             linear._gemm_fp32_out = cpu_gemm
@@ -217,52 +218,46 @@ def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, tar
                         tokens=memory_models.MODELS[name].text_tokens, cuda_gemm=True)
 
 
+def step_cost(run: dict):
+    """``training.memory_plan.StepCost`` of a tracked run."""
+    kinds = run["by_kind"]
+    return _pack("training.memory_plan").StepCost(
+        peak=run["peak"], blocks=tuple(run["blocks"]),
+        weights=kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"],
+        lora=run["lora_bytes"] + kinds.get("Gradient", 0), optimizer=kinds.get("Optstate", 0),
+        activations=kinds.get("Activation", 0) + kinds.get("Temp", 0))
+
+
+def plan_figures(run: dict, checkpointing: bool, swap: int) -> dict:
+    """The figures of one plan from a tracked run (``training.memory_plan``: the swap model and the
+    allowances on their own lines) with the run's own lines (LoRA, optimizer, activations, FLOPs)."""
+    cost = step_cost(run)
+    p = _pack("training.memory_plan").plan(cost, checkpointing, swap)
+    return {**_plan_dict(p), "lora_gib": _gib(cost.lora), "optimizer_gib": _gib(cost.optimizer),
+            "activations_gib": _gib(cost.activations), "flops": run["matmul_flops"] + run["attention_flops"],
+            "attention_flops": run["attention_flops"], "largest_saved": run["largest_saved"]}
+
+
+def _plan_dict(p: Any) -> dict:
+    return {"plan": p.describe(), "checkpointing": p.checkpointing, "swap_blocks": p.swap_blocks,
+            "peak_gib": p.peak_gib, "tracked_gib": p.tracked_gib, "weights_gib": p.weights_gib,
+            "overhead_gib": p.overhead_gib, "swapped_gib": p.swapped_gib, "ring_gib": p.ring_gib}
+
+
 def _gib(n: float) -> float:
     return round(n / GIB, 2)
 
 
-def plan_figures(run: dict, swap: int) -> dict:
-    """The figures of one plan from a tracked run: the swap model and the allowances on their own lines."""
-    kinds, blocks = run["by_kind"], run["blocks"]
-    if swap > len(blocks):
-        raise ValueError(f"bench/memory.py: --swap-blocks {swap}: the model has {len(blocks)} blocks")
-    swapped = sum(blocks[:swap])
-    ring = RING_SLOTS * max(blocks) if swap else 0
-    tracked = run["peak"] - swapped + ring
-    overhead = CUDA_CONTEXT_GIB * GIB + WORKSPACE_GIB * GIB + FRAGMENTATION * tracked
-    weights = kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"] - swapped + ring
-    return {"peak_gib": _gib(tracked + overhead), "tracked_gib": _gib(tracked), "weights_gib": _gib(weights),
-            "lora_gib": _gib(run["lora_bytes"] + kinds.get("Gradient", 0)),
-            "optimizer_gib": _gib(kinds.get("Optstate", 0)),
-            "activations_gib": _gib(kinds.get("Activation", 0) + kinds.get("Temp", 0)),
-            "overhead_gib": _gib(overhead), "swapped_gib": _gib(swapped), "ring_gib": _gib(ring),
-            "flops": run["matmul_flops"] + run["attention_flops"], "attention_flops": run["attention_flops"],
-            "largest_saved": run["largest_saved"]}
+def budget_plan(runs: Callable[[bool], dict], budget_gib: float, checkpointing_only: bool) -> dict:
+    """The cheapest plan within ``budget_gib`` (``training.memory_plan.choose``) with its figures, or
+    ``{"plan": None, "smallest_gib": ...}``. ``runs(checkpointing)``: the tracked run (cached by the caller)."""
+    plan, tried = _pack("training.memory_plan").choose(lambda c: step_cost(runs(c)), budget_gib, checkpointing_only)
+    if plan is None:
+        return {"plan": None, "smallest_gib": min(t.peak_gib for t in tried)}
+    return plan_figures(runs(plan.checkpointing), plan.checkpointing, plan.swap_blocks)
 
 
-def choose(runs: dict[bool, dict], budget_gib: float, checkpointing: bool) -> tuple[dict | None, list[dict]]:
-    """Cheapest plan within ``budget_gib``: the given checkpointing setting without swap, then checkpointing,
-    then 1, 2, ... swapped blocks (swap needs checkpointing: the recomputation re-reads streamed blocks).
-    Returns (the plan or None, every plan tried)."""
-    tried = []
-    order = [(checkpointing, 0)] + ([] if checkpointing else [(True, 0)])
-    order += [(True, n) for n in range(1, len(runs[True]["blocks"]) + 1)] if True in runs else []
-    for ckpt, swap in order:
-        if ckpt not in runs:
-            continue
-        figures = {**plan_figures(runs[ckpt], swap), "plan": describe(ckpt, swap, len(runs[ckpt]["blocks"]))}
-        tried.append(figures)
-        if figures["peak_gib"] <= budget_gib:
-            return figures, tried
-    return None, tried
-
-
-def describe(checkpointing: bool, swap: int, blocks: int) -> str:
-    return (("checkpointing" if checkpointing else "no checkpointing")
-            + (f", {swap} of {blocks} blocks swapped" if swap else ""))
-
-
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     import memory_models
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -277,43 +272,68 @@ def main(argv: list[str] | None = None) -> dict:
     group.add_argument("--budget", type=float, default=0.0, help="GiB the step must fit: the cheapest plan that fits")
     group.add_argument("--budgets", default="", help="comma-separated GiB, e.g. 8,12,16,24,48,80: the cheapest plan "
                        "for each (docs/memory.md's table); with --checkpointing only checkpointed plans are tried")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: the estimate (fake tensors, no GPU); cuda: also run the step for real on the GPU "
+                   "(random weights at the real size) and compare with torch.cuda.max_memory_allocated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, refused with a clear message (exit 2) where it asks for something impossible."""
+    p = _parser()
     args = p.parse_args(argv)
     if args.swap_blocks and not args.checkpointing:
         p.error(f"--swap-blocks {args.swap_blocks} needs --checkpointing: without it the backward needs every "
                 "block's weights resident")
+    if args.device == "cuda" and (args.budget or args.budgets or args.swap_blocks):
+        p.error("--device cuda measures one plan as given (--checkpointing or not): --budget, --budgets and "
+                "--swap-blocks are estimates only; run them without --device cuda")
+    try:
+        args.budget_list = [float(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        p.error(f"--budgets {args.budgets!r}: give GiB as numbers separated by commas, e.g. 8,12,16,24")
+    if any(b <= 0 for b in args.budget_list + ([args.budget] if args.budget else [])) or args.budget < 0:
+        p.error("--budget/--budgets: give a positive number of GiB")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     _setup_paths()
     import comfy_harness
 
     comfy_harness.pack()
-    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
-    planning = bool(args.budget or budgets)
-    settings = [args.checkpointing] if not planning or args.checkpointing else [False, True]
-    runs = {ckpt: tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets) for ckpt in settings}
-    if budgets:
-        result = {**plan_figures(runs[settings[-1]], 0), "plan": describe(settings[-1], 0, len(runs[settings[-1]]["blocks"])),
-                  "plans": {str(b): _brief(*choose(runs, b, args.checkpointing)) for b in budgets}}
+    cache: dict[bool, dict] = {}
+
+    def runs(ckpt: bool) -> dict:
+        if ckpt not in cache:
+            cache[ckpt] = tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets)
+        return cache[ckpt]
+
+    if args.budget_list:
+        plans = {str(b): budget_plan(runs, b, args.checkpointing) for b in args.budget_list}
+        result = {**plan_figures(runs(True), True, 0),  # the headline: checkpointing, no swap
+                  "plans": {b: {"plan": p["plan"], "peak_gib": p.get("peak_gib", p.get("smallest_gib"))}
+                            for b, p in plans.items()}}
     elif args.budget:
-        plan, tried = choose(runs, args.budget, args.checkpointing)
-        result = plan or {**tried[-1], "plan": None, "smallest_gib": min(t["peak_gib"] for t in tried)}
+        result = budget_plan(runs, args.budget, args.checkpointing)
     else:
-        result = {**plan_figures(runs[args.checkpointing], args.swap_blocks),
-                  "plan": describe(args.checkpointing, args.swap_blocks, len(runs[args.checkpointing]["blocks"]))}
+        result = plan_figures(runs(args.checkpointing), args.checkpointing, args.swap_blocks)
     result = {"model": args.model, "size": args.size, "rank": args.rank, "base": args.base,
               "targets": args.targets, "budget_gib": args.budget or None, **result}
+    # each estimated step's costs (training.memory_plan.StepCost), to plan other budgets without a new run
+    result["step_costs"] = {("checkpointing" if c else "plain"): vars(step_cost(r)) for c, r in cache.items()}
+    if args.device == "cuda":
+        result["cuda"] = measured_on_cuda(args, result)
     _print(result)
     if args.json:
         print(json.dumps(result), flush=True)
     return result
 
 
-def _brief(plan: dict | None, tried: list[dict]) -> dict:
-    if plan is None:
-        return {"plan": None, "peak_gib": min(t["peak_gib"] for t in tried)}
-    return {"plan": plan["plan"], "peak_gib": plan["peak_gib"]}
-
-
 def _print(r: dict) -> None:
+    mp = _pack("training.memory_plan")
     print(f"[Precision LoRA] bench/memory.py {r['model']} {r['size']} px rank {r['rank']} {r['base']} base, "
           f"targets {r['targets']}")
     if r["plan"] is None:
@@ -323,14 +343,45 @@ def _print(r: dict) -> None:
     print(f"plan: {r['plan']}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
     for key in ("weights_gib", "lora_gib", "optimizer_gib", "activations_gib", "tracked_gib", "overhead_gib", "peak_gib"):
         print(f"  {key[:-4]:<12}{r[key]:>9.2f} GiB")
-    print(f"  (overhead: CUDA context {CUDA_CONTEXT_GIB} + workspaces {WORKSPACE_GIB} GiB + {FRAGMENTATION:.0%} "
-          "fragmentation margin of the tracked peak; not seen by the tracker)")
+    print(f"  (overhead: CUDA context {mp.CUDA_CONTEXT_GIB} + workspaces {mp.WORKSPACE_GIB} GiB + "
+          f"{mp.FRAGMENTATION:.0%} fragmentation margin of the tracked peak; not seen by the tracker)")
     print(f"  FLOPs per step: {r['flops'] / 1e12:.1f} TFLOP (attention {r['attention_flops'] / 1e12:.1f}, by formula)")
     for t in r["largest_saved"]:
         print(f"  saved {t['bytes'] / 2**20:9.1f} MiB {t['dtype']:<9} {t['shape']}")
     for budget, plan in r.get("plans", {}).items():
         print(f"  budget {budget:>5} GiB: " + (f"{plan['plan']}, est. {plan['peak_gib']} GiB" if plan["plan"]
                                               else f"no plan fits (smallest {plan['peak_gib']} GiB)"))
+    if "cuda" in r:
+        c = r["cuda"]
+        print(f"  on {c['device']}: max_memory_allocated {c['max_allocated_gib']} GiB vs tracked estimate "
+              f"{r['tracked_gib']} GiB ({c['allocated_vs_estimate']:+.1%}); max_memory_reserved "
+              f"{c['max_reserved_gib']} GiB vs estimate with allowances {r['peak_gib']} GiB")
+
+
+def measured_on_cuda(args: argparse.Namespace, estimate: dict) -> dict:
+    """The estimated step run for real on the GPU: the same model class and config with random weights
+    (``torch.empty`` at the real size; values do not change the memory), the same LoRA, step and tracker
+    inputs; ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` over the second step."""
+    import torch
+
+    import memory_models
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/memory.py --device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "run it on a machine with an NVIDIA GPU, or leave --device out for the estimate")
+    device = torch.device("cuda")
+    weight, compute = (getattr(torch, d) if d else None for d in BASES[args.base])
+    with torch.device(device):
+        model = memory_models.build(memory_models.unet_config(args.model), weight, compute,
+                                    _pack("nodes.host.comfy_compat").fit_flux_config)
+    model.load_device = None
+    run = run_step(model, size=args.size, rank=args.rank, checkpointing=args.checkpointing, targets=args.targets,
+                   tokens=memory_models.MODELS[args.model].text_tokens, device=device,
+                   on_second_step=torch.cuda.reset_peak_memory_stats)
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    return {"device": torch.cuda.get_device_name(), "max_allocated_gib": _gib(allocated),
+            "max_reserved_gib": _gib(reserved), "tracked_on_cuda_gib": _gib(run["peak"]),
+            "allocated_vs_estimate": allocated / (estimate["tracked_gib"] * GIB) - 1}
 
 
 if __name__ == "__main__":

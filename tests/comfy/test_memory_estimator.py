@@ -92,29 +92,30 @@ def test_the_stock_tracker_refuses_frozen_parameters_and_ours_counts_them():
     assert memory_step._category_bytes(tracker.get_tracker_snapshot("peak"))["Parameter"] == 288
 
 
-def _run(runs_peak: dict, blocks=(100, 100, 100, 100)) -> dict:
-    return {ckpt: {"peak": peak, "by_kind": {"Parameter": 400, "Activation": peak - 400}, "lora_bytes": 0,
-                   "blocks": list(blocks), "largest_saved": [], "matmul_flops": 1, "attention_flops": 1}
-            for ckpt, peak in runs_peak.items()}
-
-
-def test_planner_takes_the_cheapest_plan_that_fits(monkeypatch):
-    monkeypatch.setattr(memory, "CUDA_CONTEXT_GIB", 0.0)
-    monkeypatch.setattr(memory, "WORKSPACE_GIB", 0.0)
-    monkeypatch.setattr(memory, "FRAGMENTATION", 0.0)
-    g = memory.GIB
-    runs = _run({False: 10 * g, True: 6 * g}, blocks=[g] * 4)
-    plan, _ = memory.choose(runs, 12, False)
-    assert plan["plan"] == "no checkpointing" and plan["peak_gib"] == 10
-    plan, _ = memory.choose(runs, 8, False)
-    assert plan["plan"] == "checkpointing" and plan["peak_gib"] == 6
-    plan, _ = memory.choose(runs, 5, False)  # 6 - 3 swapped + 2 ring slots = 5
-    assert plan["plan"] == "checkpointing, 3 of 4 blocks swapped" and plan["peak_gib"] == 5
-    plan, tried = memory.choose(runs, 3, False)
-    assert plan is None and min(t["peak_gib"] for t in tried) == 4  # every block swapped: 6 - 4 + 2
-
-
 def test_swap_without_checkpointing_is_refused_before_anything_runs():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--model", "flux1-dev",
                           "--swap-blocks", "4"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--swap-blocks 4 needs --checkpointing" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda", "--budget", "16"], "--device cuda measures one plan as given"),
+    (["--device", "cuda", "--checkpointing", "--swap-blocks", "3"], "--device cuda measures one plan as given"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--budgets", "8,twelve"], "--budgets '8,twelve': give GiB as numbers"),
+    (["--budget", "-4"], "--budget/--budgets: give a positive number of GiB"),
+])
+def test_command_line_refusals(argv, message, capsys):
+    """Refused by the parser (exit 2) before ComfyUI is imported or anything is built."""
+    with pytest.raises(SystemExit) as exit_info:
+        memory.parse_args(["--model", "flux1-dev", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_device_cuda_is_parsed_and_refused_without_a_gpu(monkeypatch):
+    args = memory.parse_args(["--model", "sdxl", "--checkpointing", "--device", "cuda"])
+    assert (args.device, args.checkpointing, args.budget_list) == ("cuda", True, [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device here"):
+        memory.measured_on_cuda(args, {"tracked_gib": 1.0})

@@ -1,0 +1,81 @@
+"""training.memory_plan: a plan's estimate from a step's costs, and the cheapest plan within a budget."""
+from __future__ import annotations
+
+import pytest
+
+from training import memory_plan as mp
+
+G = mp.GIB
+
+
+@pytest.fixture
+def no_allowances(monkeypatch):
+    monkeypatch.setattr(mp, "CUDA_CONTEXT_GIB", 0.0)
+    monkeypatch.setattr(mp, "WORKSPACE_GIB", 0.0)
+    monkeypatch.setattr(mp, "FRAGMENTATION", 0.0)
+
+
+def _costs(plain_gib: float, ckpt_gib: float, blocks=(1, 1, 1, 1)):
+    asked: list[bool] = []
+
+    def cost(checkpointing: bool) -> mp.StepCost:
+        asked.append(checkpointing)
+        peak = ckpt_gib if checkpointing else plain_gib
+        return mp.StepCost(peak=int(peak * G), blocks=tuple(int(b * G) for b in blocks), weights=int(sum(blocks) * G))
+
+    return cost, asked
+
+
+def test_a_plan_is_the_peak_minus_swapped_blocks_plus_the_ring_plus_allowances():
+    cost = mp.StepCost(peak=10 * G, blocks=(G, 2 * G, G, G), weights=5 * G)
+    p = mp.plan(cost, True, 2)  # blocks 0 and 1 (3 GiB) leave; 2 slots of the largest block (2 GiB) stay
+    assert (p.tracked_gib, p.swapped_gib, p.ring_gib, p.weights_gib) == (11.0, 3.0, 4.0, 6.0)
+    assert p.overhead_gib == round(mp.CUDA_CONTEXT_GIB + mp.WORKSPACE_GIB + mp.FRAGMENTATION * 11, 2)
+    assert p.peak_gib == round(11 + p.overhead_gib, 2)
+    assert p.describe() == "checkpointing, 2 of 4 blocks swapped"
+    assert mp.plan(cost, False).describe() == "no checkpointing" and mp.plan(cost, True).ring_gib == 0
+
+
+def test_the_cheapest_plan_that_fits(no_allowances):
+    cost, asked = _costs(10, 6)
+    plan, tried = mp.choose(cost, 12)
+    assert plan.describe() == "no checkpointing" and plan.peak_gib == 10 and asked == [True, False]
+    plan, _ = mp.choose(cost, 8)
+    assert plan.describe() == "checkpointing" and plan.peak_gib == 6
+    plan, _ = mp.choose(cost, 5)  # 6 - 3 swapped + 2 ring slots = 5
+    assert plan.describe() == "checkpointing, 3 of 4 blocks swapped" and plan.peak_gib == 5
+    plan, tried = mp.choose(cost, 3)
+    assert plan is None and min(t.peak_gib for t in tried) == 4  # every block swapped: 6 - 4 + 2
+    assert [t.swap_blocks for t in tried] == [0, 1, 2, 3, 4]
+
+
+def test_the_plain_step_is_not_estimated_when_the_checkpointed_one_does_not_fit(no_allowances):
+    cost, asked = _costs(10, 6)
+    mp.choose(cost, 5)
+    assert asked == [True]
+    cost, asked = _costs(10, 6)
+    plan, _ = mp.choose(cost, 12, checkpointing_only=True)
+    assert plan.describe() == "checkpointing" and asked == [True]
+
+
+def test_allowances_count_against_the_budget():
+    cost, _ = _costs(10, 6)
+    # checkpointed: 6 GiB tracked + 0.85 (context, workspaces) + 5 % = 7.15 > 7; 3 swapped: 6 - 3 + 2 ring
+    plan, tried = mp.choose(cost, 7)
+    assert [t.peak_gib for t in tried] == [7.15, 8.2, 7.15, 6.1]
+    assert plan.swap_blocks == 3 and plan.peak_gib == round(5 * 1.05 + 0.85, 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((True, 5), "swap_blocks=5: the model has 4 blocks"),
+    ((False, 1), "swap_blocks=1 needs gradient checkpointing"),
+])
+def test_impossible_plans_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        mp.plan(mp.StepCost(peak=G, blocks=(1, 1, 1, 1)), *args)
+
+
+def test_a_budget_must_be_positive():
+    cost, _ = _costs(10, 6)
+    with pytest.raises(ValueError, match="budget 0 GiB: give a positive number"):
+        mp.choose(cost, 0)

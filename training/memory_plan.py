@@ -1,0 +1,107 @@
+"""Memory plans for a training step: the cheapest way to fit a memory budget, from the step's costs.
+
+Pure arithmetic (no torch, no ComfyUI). Its input is what one training step needs, as ``bench/memory.py``
+estimates it at real size (``StepCost``: the tracked peak, and the weight bytes of every block in
+execution order), with and without gradient checkpointing. A plan is (checkpointing, blocks swapped);
+its estimate is the tracked peak minus the swapped blocks' weights plus the ring of device slots the swap
+streams them through (``training.swap``: ``RING_SLOTS`` buffers of the largest block), plus what no tensor
+tracker sees, on its own line: the CUDA context, cuBLAS/attention workspaces, and a fragmentation margin.
+
+``choose`` takes the cheapest plan within a budget, cheapest meaning least extra work per step: no
+checkpointing, then checkpointing, then checkpointing with 1, 2, ... blocks swapped (swap needs
+checkpointing: the recomputation re-reads the streamed blocks). Costs are asked for lazily, checkpointed
+first: when the checkpointed step does not fit, the plain one (which keeps every activation the
+checkpointed one keeps, and more) is not estimated at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+GIB = 2**30
+# Allowances for what no tensor tracker sees (docs/memory.md says where each figure comes from).
+CUDA_CONTEXT_GIB = 0.6
+WORKSPACE_GIB = 0.25  # cuBLAS (cublasLt) + attention workspaces, about 2 streams' worth
+FRAGMENTATION = 0.05  # of the tracked peak: reserved minus allocated in the caching allocator
+RING_SLOTS = 2  # training.swap's default ring of device slots
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One estimated training step, in bytes: ``peak`` tracked (weights, LoRA, gradients, optimizer
+    state, activations); ``blocks`` the weight bytes of each swappable block in execution order;
+    ``weights`` the base's resident weights and buffers; ``lora`` the LoRA's parameters and gradients."""
+
+    peak: int
+    blocks: tuple[int, ...]
+    weights: int = 0
+    lora: int = 0
+    optimizer: int = 0
+    activations: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan and its estimate (GiB; ``peak_gib`` includes ``overhead_gib``)."""
+
+    checkpointing: bool
+    swap_blocks: int
+    blocks: int
+    peak_gib: float
+    tracked_gib: float
+    weights_gib: float
+    swapped_gib: float
+    ring_gib: float
+    overhead_gib: float
+
+    def describe(self) -> str:
+        """"checkpointing, 14 of 57 blocks swapped" (the words the reports use)."""
+        text = "checkpointing" if self.checkpointing else "no checkpointing"
+        return text + (f", {self.swap_blocks} of {self.blocks} blocks swapped" if self.swap_blocks else "")
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 2)
+
+
+def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0) -> Plan:
+    """The estimate of one plan from the step's cost (``cost`` measured with that checkpointing setting)."""
+    blocks = cost.blocks
+    if swap_blocks and not checkpointing:
+        raise ValueError(f"memory plan: swap_blocks={swap_blocks} needs gradient checkpointing (the backward "
+                         "would need every block's weights resident)")
+    if not 0 <= swap_blocks <= len(blocks):
+        raise ValueError(f"memory plan: swap_blocks={swap_blocks}: the model has {len(blocks)} blocks")
+    swapped = sum(blocks[:swap_blocks])
+    ring = RING_SLOTS * max(blocks) if swap_blocks else 0
+    tracked = cost.peak - swapped + ring
+    overhead = (CUDA_CONTEXT_GIB + WORKSPACE_GIB) * GIB + FRAGMENTATION * tracked
+    return Plan(checkpointing, swap_blocks, len(blocks), _gib(tracked + overhead), _gib(tracked),
+                _gib(cost.weights - swapped + ring), _gib(swapped), _gib(ring), _gib(overhead))
+
+
+def choose(cost: Callable[[bool], StepCost], budget_gib: float,
+           checkpointing_only: bool = False) -> tuple[Plan | None, list[Plan]]:
+    """The cheapest plan whose estimate is within ``budget_gib``, and every plan looked at (in order).
+
+    ``cost(checkpointing)``: the step's cost with or without gradient checkpointing (called at most once
+    each, and only when needed). ``checkpointing_only``: plans without checkpointing are not considered.
+    None when even every block swapped does not fit (the last plan looked at is then the smallest)."""
+    if budget_gib <= 0:
+        raise ValueError(f"memory plan: budget {budget_gib} GiB: give a positive number of GiB")
+    tried: list[Plan] = []
+    ckpt = cost(True)
+    first = plan(ckpt, True, 0)
+    tried.append(first)
+    if first.peak_gib <= budget_gib:
+        if not checkpointing_only:
+            plain = plan(cost(False), False, 0)
+            tried.insert(0, plain)
+            if plain.peak_gib <= budget_gib:
+                return plain, tried
+        return first, tried
+    for n in range(1, len(ckpt.blocks) + 1):
+        tried.append(plan(ckpt, True, n))
+        if tried[-1].peak_gib <= budget_gib:
+            return tried[-1], tried
+    return None, tried
