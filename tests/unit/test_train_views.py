@@ -3,6 +3,7 @@ flow model: what previews, checkpoints and the end of a run hold, against refere
 that chaining / resuming is bit-identical with either."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -141,3 +142,36 @@ def test_ema_settings_are_checked():
     with pytest.raises(ValueError, match="schedule-free already averages"):
         TrainSettings(optimizer="schedulefree_adamw", ema_decay=0.99)
     assert [ema_decay_at(k, 0.99, 4) for k in (1, 2, 4, 9)] == [0.2475, 0.495, 0.99, 0.99]
+
+
+@pytest.mark.parametrize("extra", [{"optimizer": "schedulefree_adamw"}, {"ema_decay": 0.8, "ema_save": "as_lora"}],
+                         ids=["schedule_free", "ema"])
+def test_views_of_a_bf16_lora_keep_its_fp32_masters_and_chain_bit_identically(extra):
+    """bf16 LoRA parameters with fp32 masters: the saved LoRA is the view (averaged / EMA fp32 values) rounded
+    to the nearest bf16, the state keeps the masters and bf16 values training continues from, and 3 + 3 steps
+    equal 6 bit for bit (the views' round trips leave the stochastic rounding's generator untouched)."""
+    from train_toy import ToyLoRA
+
+    s = TrainSettings(**{**BASE, **extra})
+    data = toy_data(2, DIM)
+
+    def net():
+        n = ToyNet(DIM)
+        n.lora = ToyLoRA(DIM, dtype=torch.bfloat16)
+        return n
+
+    one_net = net()
+    one = train(one_net.lora, data, toy_fns(one_net), s, steps=6, seed=1)
+    two_net = net()
+    first = train(two_net.lora, data, toy_fns(two_net), s, steps=3, seed=1)
+    second = train(two_net.lora, data, toy_fns(two_net), s, steps=3, state=first.state)
+    for field in ("lora", "masters", "train_lora", "ema"):
+        ours, ref = getattr(second.state, field), getattr(one.state, field)
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[n], ref[n]) for n in ref), field
+    state = one.state
+    assert all(v.dtype == torch.bfloat16 for v in state.lora.values())
+    assert all(v.dtype == torch.float32 for v in state.masters.values()) and state.masters.keys() == state.lora.keys()
+    view = state.ema if "ema_decay" in extra else _eval_weights(
+        dataclasses.replace(state, train_lora={n: state.masters[n] for n in state.masters}))
+    assert all(torch.equal(state.lora[n], view[n].to(torch.bfloat16)) for n in state.lora)
+    assert not all(torch.equal(state.lora[n], state.train_lora[n]) for n in state.lora)
