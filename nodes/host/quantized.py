@@ -19,10 +19,8 @@ base output computed on it (``lora.layer.lora_linear``). GGUF weights (city96's 
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
@@ -35,11 +33,8 @@ try:
 except ImportError:  # a ComfyUI without per-layer quantization: no weight is a QuantizedTensor
     QuantizedTensor = ()  # type: ignore[assignment,misc]
 
-log = logging.getLogger(__name__)
-
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALED_FP8_KEY = "scaled_fp8"
-QUANT_METADATA_KEY = "_quantization_metadata"
 
 
 def is_quantized(t: object) -> bool:
@@ -121,7 +116,7 @@ def quantized_as_inference(dm: torch.nn.Module) -> int:
     many. ComfyUI moves quantized layers by re-wrapping each parameter, which fails for a quantized tensor
     made outside inference mode once a node (inference mode) moves it ("Cannot set version_counter for
     inference tensor"); its own loader makes them inside. The LoRA forward dequantizes into a fresh tensor,
-    so autograd never needs these (``train_glue.normal_weights`` leaves them as they are)."""
+    so autograd never needs these (``nodes.train.glue.normal_weights`` leaves them as they are)."""
     count = 0
     with torch.inference_mode():
         for module in dm.modules():
@@ -130,27 +125,6 @@ def quantized_as_inference(dm: torch.nn.Module) -> int:
                     module._parameters[name] = torch.nn.Parameter(p.clone(), requires_grad=False)
                     count += 1
     return count
-
-
-def describe_format(sd: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> str:
-    """How a diffusion-model state dict stores its weights: "scaled fp8 (float8_e4m3fn)", "per-layer
-    quantized (float8_e4m3fn: 12, int8_tensorwise: 3)", "fp8 (float8_e5m2)" or "" (unquantized)."""
-    if SCALED_FP8_KEY in sd:
-        marker = sd[SCALED_FP8_KEY].dtype
-        return f"scaled fp8 ({marker if marker in FP8_DTYPES else torch.float8_e4m3fn})".replace("torch.", "")
-    formats = _layer_formats(sd, metadata)
-    if formats:
-        counts = {f: formats.count(f) for f in sorted(set(formats))}
-        return "per-layer quantized (" + ", ".join(f"{f}: {n}" for f, n in counts.items()) + ")"
-    fp8 = sorted({str(t.dtype).replace("torch.", "") for t in sd.values() if t.dtype in FP8_DTYPES})
-    return f"fp8 ({', '.join(fp8)})" if fp8 else ""
-
-
-def _layer_formats(sd: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> list[str]:
-    if metadata and QUANT_METADATA_KEY in metadata:
-        layers = json.loads(metadata[QUANT_METADATA_KEY]).get("layers", {})
-        return [str(v.get("format")) for v in layers.values()]
-    return [str(json.loads(bytes(t.tolist()).decode()).get("format")) for k, t in sd.items() if k.endswith(".comfy_quant")]
 
 
 def prepare_state_dict(model_config, sd: dict, metadata: dict | None) -> tuple[dict, bool]:
