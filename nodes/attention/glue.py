@@ -24,12 +24,14 @@ import logging
 import threading
 from typing import Any, Callable
 
+import comfy.patcher_extension
 import torch
 
 from ...attention.config import AttentionConfig
 from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ...attention.stats import AttentionStats
 from ..host.comfy_compat import has_backward
+from .reach import WRAPPER_KEY, inside_attention, reach_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,19 @@ def _bind(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _to_4d(x: torch.Tensor, heads: int, skip_reshape: bool) -> tuple[torch.Tensor, str]:
-    """ComfyUI q/k/v -> (4-D view, layout). (B, H, L, D) stays; (B, L, H·D) becomes (B, L, H, D)."""
+    """ComfyUI q/k/v -> (4-D view, layout). (B, H, L, D) stays; (B, L, H·D) becomes (B, L, H, D).
+
+    Without ``skip_reshape`` ComfyUI's backends view each tensor as (B, -1, heads, D), so a tensor already
+    split into heads, (B, L, H, D), is valid too: SD3's MMDiT passes its v that way beside 3-D q and k."""
     if skip_reshape:
         return x, "bhld"
-    b, length, inner = x.shape
-    return x.reshape(b, length, heads, inner // heads), "blhd"  # a view unless x is oddly strided
+    b, length = x.shape[0], x.shape[1]
+    return x.reshape(b, length, heads, -1), "blhd"  # a view unless x is oddly strided
+
+
+def _flat(x: torch.Tensor, skip_reshape: bool) -> torch.Tensor:
+    """(B, L, H, D) -> (B, L, H·D) where ComfyUI takes either (see ``_to_4d``)."""
+    return x if skip_reshape or x.ndim == 3 else x.flatten(2)
 
 
 def _to_comfy(x: torch.Tensor, skip_reshape: bool) -> torch.Tensor:
@@ -116,6 +126,7 @@ class PrecisionAttentionOverride:
         self._label_lock = threading.Lock()
         self._last_options: dict | None = None
         self._call_index = 0
+        self._unreached: dict[str, int] = {}
 
     @property
     def cfg(self) -> AttentionConfig:
@@ -129,14 +140,35 @@ class PrecisionAttentionOverride:
         call to ``observer`` as well."""
         twin = PrecisionAttentionOverride(self.cfg, observer=observer)
         twin.dispatcher = self.dispatcher
+        twin._unreached = self._unreached
         return twin
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
-        if self.cfg.is_default() and self.observer is None:
-            return func(q, k, v, heads, *rest, **kwargs)
+        with inside_attention():  # the kernels below may call SDPA: not a direct call of the model's
+            if self.cfg.is_default() and self.observer is None:
+                return func(q, k, v, heads, *rest, **kwargs)
+            return self._run(func, q, k, v, heads, rest, kwargs)
+
+    def note_unreached(self, reason: str) -> None:
+        """Count an attention call of the patched model that runs without the override (``reach.py``)."""
+        with self._label_lock:
+            first = reason not in self._unreached
+            self._unreached[reason] = self._unreached.get(reason, 0) + 1
+        if first:
+            log.warning("[Precision LoRA] attention: a call of this model runs without the patched scale/backend "
+                        "(%s); it keeps the model's own attention", reason)
+
+    def unreached(self) -> dict[str, int]:
+        """Attention calls seen running without the override, by reason (empty: every call reached)."""
+        with self._label_lock:
+            return dict(self._unreached)
+
+    def _run(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             heads: int, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         bound = _bind(rest, kwargs)
         skip = bool(bound.get("skip_reshape", False))
+        q, k, v = (_flat(t, skip) for t in (q, k, v))
         q4, layout = _to_4d(q, heads, skip)
         kv_heads = k_heads(k, q4.shape[-1], skip)
         out = self.dispatcher.run(
@@ -171,6 +203,13 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     clone = model.clone()
     options = clone.model_options.setdefault("transformer_options", {})
     options[OVERRIDE_KEY] = PrecisionAttentionOverride(cfg)
+    # Calls made without transformer_options, or straight to SDPA, reach the override too (reach.py). The
+    # wrapper sits in the options themselves (copied, never shared with the source model): sampling and
+    # the training step both call apply_model with them.
+    wrappers = dict(options.get("wrappers", {}))
+    apply_model = comfy.patcher_extension.WrappersMP.APPLY_MODEL
+    wrappers[apply_model] = {**wrappers.get(apply_model, {}), WRAPPER_KEY: [reach_wrapper]}
+    options["wrappers"] = wrappers
     log.info("[Precision LoRA] attention patched: backend=%s scale_mode=%s scale_value=%s",
              cfg.backend, cfg.scale_mode, cfg.scale_value)
     return clone

@@ -1,0 +1,195 @@
+"""Attention calls the override would not see, reached while a patched model runs its forward.
+
+ComfyUI hands its attention override (``transformer_options["optimized_attention_override"]``) only to
+attention calls that pass ``transformer_options``. Two kinds of call do not (ComfyUI 0.33.0 / 0.3.75):
+
+- ComfyUI's own attention functions called without ``transformer_options``: PixArt α/Σ
+  (``comfy.ldm.pixart``), HunyuanDiT (``comfy.ldm.hydit``, its pooler included), ErnieImage
+  (``comfy.ldm.ernie``);
+- ``torch.nn.functional.scaled_dot_product_attention`` called directly (or through
+  ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``), Anima's LLM adapter
+  (``comfy.ldm.anima``).
+
+``reach_wrapper`` is a ComfyUI ``apply_model`` wrapper (``WrappersMP.APPLY_MODEL``) that
+``patch_attention`` adds to the patched clone's transformer_options only. For the duration of that model's forward it:
+
+1. replaces ComfyUI's attention functions, where a ``comfy.ldm`` module bound them at import, by shims
+   that add the forward's ``transformer_options`` when a call has none (ComfyUI's ``wrap_attn`` then
+   hands the call to the override as for every other model);
+2. replaces ``torch.nn.functional.scaled_dot_product_attention`` by a shim that hands a direct call to
+   the override as a (B, H, L, D) call (``skip_reshape``), with the caller's ``scale`` as the base.
+
+Both are restored when the last forward using them exits, on every exit path (``finally``). The shims
+act only in the context (thread) whose forward installed them (a ``ContextVar``), never inside the
+override itself (its kernels call SDPA too), and pass every other call through untouched. A direct SDPA
+call the override cannot take (``is_causal``, dropout, not 4-D, GQA with a mask) runs unchanged and is
+counted with its reason in ``unreached(override)``, which the attention node's report names.
+
+Limit: activation checkpointing recomputes blocks during the backward pass, after the forward returned;
+``reach_context(model)`` holds the same state around any span (e.g. forward + backward of a step).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+import torch
+
+WRAPPER_KEY = "precision_lora_attention_reach"
+_OPTIONS: ContextVar[dict | None] = ContextVar("precision_lora_attention_options", default=None)
+_INSIDE: ContextVar[bool] = ContextVar("precision_lora_inside_attention", default=False)
+_lock = threading.Lock()
+_state: dict[str, Any] = {"depth": 0, "saved": []}
+_ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def inside_attention() -> Iterator[None]:
+    """Marks a span as the override's own attention call: the SDPA shim passes its calls through."""
+    token = _INSIDE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE.reset(token)
+
+
+def _comfy_attention_functions() -> set[int]:
+    import comfy.ldm.modules.attention as attn
+
+    return {id(getattr(attn, n)) for n in dir(attn)
+            if (n.startswith("attention_") or n.startswith("optimized_attention")) and callable(getattr(attn, n))
+            and n != "optimized_attention_for_device"}
+
+
+class _OptionsShim:
+    """ComfyUI attention function that adds the running forward's transformer_options to calls without."""
+
+    def __init__(self, func: Callable[..., torch.Tensor]) -> None:
+        self.func = func
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        options = _OPTIONS.get()
+        if options is not None and kwargs.get("transformer_options") is None:
+            kwargs["transformer_options"] = options
+        return self.func(*args, **kwargs)
+
+
+def _sdpa_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None = None,
+               attn_precision: Any = None, skip_reshape: bool = True, skip_output_reshape: bool = True,
+               **kwargs: Any) -> torch.Tensor:
+    """The direct SDPA call in ComfyUI's backend signature ((B, H, L, D) in and out): the override's
+    ``func`` for backend ``auto``."""
+    extra = {k: kwargs[k] for k in ("scale", "enable_gqa") if kwargs.get(k) is not None}
+    with inside_attention():
+        return _ORIGINAL_SDPA(q, k, v, attn_mask=mask, **extra)
+
+
+_sdpa_host.__name__ = "attention_sdpa_direct"
+
+
+def _unreachable_reason(q: torch.Tensor, attn_mask: Any, dropout_p: float, is_causal: bool,
+                        enable_gqa: bool) -> str | None:
+    if is_causal:
+        return "causal (is_causal=True)"
+    if dropout_p:
+        return "attention dropout"
+    if q.ndim != 4:
+        return f"{q.ndim}-D query"
+    if enable_gqa and attn_mask is not None:
+        return "grouped-query attention with a mask"
+    return None
+
+
+def _sdpa_shim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
+    options = _OPTIONS.get()
+    override = None if options is None or _INSIDE.get() else options.get("optimized_attention_override")
+    if override is None or kwargs:
+        extra = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
+        return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              **extra, **kwargs)
+    reason = _unreachable_reason(query, attn_mask, dropout_p, is_causal, enable_gqa)
+    if reason is not None:
+        note = getattr(override, "note_unreached", None)
+        if note is not None:
+            note(f"direct scaled_dot_product_attention: {reason}")
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, **extra)
+    named: dict[str, Any] = {"mask": attn_mask, "skip_reshape": True, "skip_output_reshape": True,
+                             "transformer_options": options}
+    if scale is not None:
+        named["scale"] = scale
+    if enable_gqa:
+        named["enable_gqa"] = True
+    return override(_sdpa_host, query, key, value, query.shape[1], **named)
+
+
+def _install() -> None:
+    with _lock:
+        _state["depth"] += 1
+        if _state["depth"] > 1:
+            return
+        targets, saved = _comfy_attention_functions(), []
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("comfy.ldm"):
+                continue
+            for attr, value in list(vars(module).items()):
+                if id(value) in targets:
+                    saved.append((module, attr, value))
+                    setattr(module, attr, _OptionsShim(value))
+        saved.append((torch.nn.functional, "scaled_dot_product_attention", _ORIGINAL_SDPA))
+        torch.nn.functional.scaled_dot_product_attention = _sdpa_shim
+        _state["saved"] = saved
+
+
+def _uninstall() -> None:
+    with _lock:
+        _state["depth"] -= 1
+        if _state["depth"] > 0:
+            return
+        for module, attr, value in reversed(_state["saved"]):
+            setattr(module, attr, value)
+        _state["saved"] = []
+
+
+@contextlib.contextmanager
+def reach_options(options: dict | None) -> Iterator[None]:
+    """Within the block, attention calls of this context reach the override in ``options``."""
+    if not options or "optimized_attention_override" not in options:
+        yield
+        return
+    token = _OPTIONS.set(options)
+    _install()
+    try:
+        yield
+    finally:
+        _uninstall()
+        _OPTIONS.reset(token)
+
+
+def reach_context(model: Any) -> contextlib.AbstractContextManager[None]:
+    """``reach_options`` with a ModelPatcher's transformer_options (e.g. around a training step)."""
+    return reach_options(getattr(model, "model_options", {}).get("transformer_options"))
+
+
+def reach_wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """ComfyUI apply_model wrapper (``WrappersMP.APPLY_MODEL``: every model class runs it, with
+    ``(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)``): the forward runs inside
+    ``reach_options`` of its transformer_options."""
+    options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+    if _OPTIONS.get() is options:
+        return executor(*args, **kwargs)
+    with reach_options(options):
+        return executor(*args, **kwargs)
+
+
+def installed() -> bool:
+    """Whether the shims are in place now (tests: restored after every forward)."""
+    return torch.nn.functional.scaled_dot_product_attention is not _ORIGINAL_SDPA

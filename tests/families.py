@@ -1,0 +1,188 @@
+"""Tiny models of ComfyUI's image and video families, built at test time from ComfyUI's own classes.
+
+``TINY[name]`` is a ``comfy.supported_models`` class name -> what to add to that class's ``unet_config``
+so its diffusion model is a few MB (widths 64, 1-2 blocks) with the module paths and code paths of the
+released model; ``CONTEXT[name]`` the text width (and pooled width) its conditioning carries.
+``build(name)`` returns a ModelPatcher with seeded random fp32 weights; ``denoise(model)`` runs one
+euler step through ComfyUI's sampler (extra_conds, wrappers, transformer_options as KSampler runs).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from contextlib import contextmanager
+
+import torch
+
+# supported_models class -> unet_config additions (tiny widths; the class's own match keys are kept).
+TINY: dict[str, dict] = {
+    "SD3": {"depth": 2, "patch_size": 2, "adm_in_channels": 32, "pos_embed_max_size": 16, "num_patches": 256,
+            "context_embedder_config": {"target": "torch.nn.Linear",
+                                        "params": {"in_features": 64, "out_features": 128}}},
+    "PixArtAlpha": {"input_size": 8, "hidden_size": 64, "depth": 2, "num_heads": 2, "caption_channels": 64,
+                    "micro_condition": False, "model_max_length": 8, "pe_interpolation": 1.0},
+    "PixArtSigma": {"input_size": 8, "hidden_size": 64, "depth": 2, "num_heads": 2, "caption_channels": 64,
+                    "micro_condition": False, "model_max_length": 8, "pe_interpolation": 1.0},
+    "HunyuanDiT": {"input_size": (8, 8), "hidden_size": 64, "depth": 2, "num_heads": 2, "text_states_dim": 64,
+                   "text_states_dim_t5": 64, "text_len": 8, "text_len_t5": 8},
+    "ErnieImage": {"hidden_size": 64, "num_attention_heads": 2, "num_layers": 2, "ffn_hidden_size": 128,
+                   "text_in_dim": 64, "rope_axes_dim": (8, 12, 12)},
+    "GenmoMochi": {"hidden_size_x": 64, "hidden_size_y": 32, "mlp_ratio_x": 192.0, "mlp_ratio_y": 2.0,
+                   "depth": 2, "num_heads": 2, "t5_feat_dim": 64, "t5_token_length": 8, "in_channels": 12,
+                   "learn_sigma": False, "qk_norm": True, "qkv_bias": False, "out_bias": True, "attn_drop": 0.0,
+                   "use_t5": True, "attend_to_padding": False, "posenc_preserve_area": True, "timestep_scale": 1000.0},
+    "AuraFlow": {"dim": 64, "n_layers": 2, "n_double_layers": 1, "n_heads": 2, "global_conddim": 64,
+                 "cond_seq_dim": 64, "max_seq": 256},
+    "WAN21_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                  "in_dim": 16, "out_dim": 16},
+    "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                  "in_dim": 48},
+    "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
+                      "time_embed_dim": 32, "sample_width": 8, "sample_height": 8, "sample_frames": 1,
+                      "max_text_seq_length": 8},
+    "Kandinsky5": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
+                   "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12)},
+    "Kandinsky5Image": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
+                        "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12)},
+    "Krea2": {"features": 64, "tdim": 32, "txtdim": 64, "heads": 2, "kvheads": 2, "layers": 2, "txtlayers": 2,
+              "txtheads": 2, "txtkvheads": 2},
+    "JoyImage": {"hidden_size": 64, "num_attention_heads": 2, "text_dim": 64, "num_layers": 2,
+                 "rope_dim_list": [8, 12, 12]},
+    "Ideogram4": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 32, "intermediate_size": 128,
+                  "adaln_dim": 32, "llm_features_dim": 64, "mrope_section": (6, 5, 5)},
+    "Lens": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "enc_hidden_dim": 64,
+             "axes_dims_rope": (8, 12, 12)},
+    "QwenImage": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
+                  "axes_dims_rope": (8, 12, 12)},
+    "Lumina2": {"in_channels": 16, "dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16,
+                "cap_feat_dim": 64, "axes_dims": (8, 12, 12)},
+    "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
+             "num_layers": 2},
+}
+# Text width each family's conditioning carries, and its pooled width (None: no pooled output).
+CONTEXT: dict[str, tuple[int, int | None]] = {
+    "SD3": (64, 32), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
+}
+# Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
+# ones ("int_mask": int64), or "text" (1, tokens, 64) like the context.
+EXTRAS: dict[str, dict[str, str]] = {
+    "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
+    "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
+}
+# Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
+PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512}
+
+
+def _fill(module: torch.nn.Module, seed: int) -> None:
+    """ComfyUI's ops leave weights uninitialised: fan-in scaled matrices, gains near 1, small biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(math.prod(p.shape[1:])))
+            elif "norm" in name and name.endswith(("weight", "scale")):
+                p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+
+
+def available(name: str) -> str | None:
+    """Why this ComfyUI cannot build ``name`` (it has no such class), or None."""
+    import comfy.supported_models as sm
+
+    return None if hasattr(sm, name) else f"ComfyUI here has no supported model {name}"
+
+
+def build(name: str, seed: int = 0):
+    """A ModelPatcher around ComfyUI's own model class ``name`` at the tiny config, fp32, CPU."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+
+    cls = getattr(sm, name)
+    config = cls({**cls.unet_config, **TINY[name]})
+    config.unet_config.update(TINY[name])  # over the class's unet_extra_config (released sizes)
+    config.set_inference_dtype(torch.float32, None)
+    with torch.inference_mode(False):
+        model = config.get_model({}, "")
+        _fill(model.diffusion_model, seed)
+        for buf_name, buf in model.diffusion_model.named_buffers():
+            if buf_name.endswith("pos_embed"):  # a buffer ComfyUI loads from the file (SD3): torch.empty here
+                buf.copy_(0.02 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)))
+    device = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
+
+
+def context_width(name: str) -> tuple[int, int | None]:
+    return CONTEXT.get(name, (64, None))
+
+
+def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tensor:
+    """A seeded latent of the model's channels: (1, C, H, W), or (1, C, frames, H, W) for video models."""
+    fmt = model.model.latent_format
+    gen = torch.Generator().manual_seed(seed)
+    spatial = (size // 8, size // 8)
+    shape = (1, fmt.latent_channels, frames, *spatial) if fmt.latent_dimensions == 3 else (1, fmt.latent_channels, *spatial)
+    return torch.randn(shape, generator=gen)
+
+
+def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
+    width, pooled = context_width(name)
+    gen = torch.Generator().manual_seed(seed + 1)
+    extra = {"pooled_output": torch.randn((1, pooled), generator=gen)} if pooled else {}
+    for key, kind in EXTRAS.get(name, {}).items():
+        if kind == "text":
+            extra[key] = torch.randn((1, tokens, 64), generator=gen)
+        else:
+            extra[key] = torch.ones((1, tokens), dtype=torch.int64 if kind == "int_mask" else torch.float32)
+    return [[torch.randn((1, tokens, width), generator=gen), extra]]
+
+
+def denoise(model, name: str, seed: int = 0) -> torch.Tensor:
+    """One euler step (cfg 1: one forward) through ComfyUI's sampler."""
+    import comfy.sample
+
+    x = latent(model, seed, size=PIXELS.get(name, 32))
+    cond = conditioning(name, seed)
+    noise = comfy.sample.prepare_noise(x, seed)
+    return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, x, disable_pbar=True, seed=seed)
+
+
+def attention_functions() -> set[int]:
+    """ids of ComfyUI's attention functions (``comfy.ldm.modules.attention``), as modules bind them."""
+    import comfy.ldm.modules.attention as attn
+
+    names = [n for n in dir(attn) if n.startswith("attention_") or n.startswith("optimized_attention")]
+    return {id(getattr(attn, n)) for n in names if callable(getattr(attn, n)) and n != "optimized_attention_for_device"}
+
+
+@contextmanager
+def count_attention_calls():
+    """Counts every attention call of a stock forward: ComfyUI's attention functions where comfy.ldm modules
+    bound them, and ``scaled_dot_product_attention`` called from anywhere but inside one of those."""
+    targets, saved, counts, depth = attention_functions(), [], {"comfy": 0, "sdpa": 0}, [0]
+
+    def counting(func, kind):
+        def call(*args, **kwargs):
+            if not depth[0] or kind == "comfy":
+                counts[kind] += 1
+            depth[0] += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("comfy.ldm") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if id(value) in targets:
+                    saved.append((module, attr, value))
+                    setattr(module, attr, counting(value, "comfy"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    saved.append((torch.nn.functional, "scaled_dot_product_attention", sdpa))
+    torch.nn.functional.scaled_dot_product_attention = counting(sdpa, "sdpa")
+    try:
+        yield counts
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
