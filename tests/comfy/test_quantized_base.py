@@ -251,3 +251,29 @@ def test_a_gguf_layer_is_refused_when_attaching(m):
                                          r"load the same model as fp8 or scaled-fp8 safetensors"):
         m.glue.attach_lora(model, m.LoRAConfig(rank=4, alpha=4, targets="attention"))
     assert not model.object_patches  # nothing attached
+
+
+def test_the_train_node_runs_on_a_scaled_fp8_base_and_leaves_it_quantized(m, pack_module):
+    """PrecisionTrainLoRA itself (as ComfyUI's executor calls it) on the pack-loaded scaled-fp8 tiny Flux: the
+    same losses as the same node on a model loaded from a second copy of the file (deterministic), finite,
+    the LoRA trained, and the base weights still quantized and bit-identical afterwards."""
+    train = pack_module("nodes.train.node").PrecisionTrainLoRA
+    write_quantized(m, "flux1_dev", "scaled_fp8", "node_flux_scaled_fp8.safetensors")
+    results = []
+    for _ in range(2):
+        model = load(m, "pack", "node_flux_scaled_fp8.safetensors")
+        dm = model.model.diffusion_model
+        before = {k: v.clone() for k, v in dm.state_dict().items()}
+        with torch.inference_mode():
+            attached = m.glue.attach_lora(model, m.LoRAConfig(rank=4, alpha=4, targets="all"))
+            out = train.execute([attached], [make_latent(model, 1, width=32, height=32)], [make_conditioning(model, 1)],
+                                [3], [0], ["quant_node"], settings=[m.Settings(learning_rate=1e-2)])
+        trained, _, losses, steps = out.result[:4]
+        assert steps == 3 and all(torch.isfinite(torch.tensor(losses["loss"])))
+        assert any(float(a.up.detach().abs().sum()) > 0 for a in m.glue.get_lora_set(trained).adapters().values())
+        qkv = dm.double_blocks[0].img_attn.qkv
+        assert _stored_quantized(m, qkv)
+        after = dm.state_dict()
+        assert before.keys() == after.keys() and all(torch.equal(before[k].float(), after[k].float()) for k in before)
+        results.append(losses["loss"])
+    assert results[0] == results[1]
