@@ -14,6 +14,9 @@ from . import targets as _targets
 
 PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_RANK = 1024
+# Adapter kinds; the classes are in lora.adapters (ADAPTERS), named here so config.py needs no layer module
+ADAPTER_KINDS = ("lora", "lokr", "loha", "dora")
+MAX_LOKR_FACTOR = 256
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class LoRAConfig:
     blocks: str = ""
     seed: int = 0
     param_dtype: str = "fp32"
+    adapter: str = "lora"
+    lokr_factor: int = -1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,7 +59,19 @@ class LoRAConfig:
             )
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"[Precision LoRA] LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
+        self._validate_adapter()
         _targets.validate_target_options(self.targets, self.include, self.exclude, self.blocks)
+
+    def _validate_adapter(self) -> None:
+        if self.adapter not in ADAPTER_KINDS:
+            raise ValueError(f"[Precision LoRA] LoRAConfig.adapter={self.adapter!r} is unknown: use one of {list(ADAPTER_KINDS)}")
+        if not isinstance(self.lokr_factor, int) or not (self.lokr_factor == -1 or 1 <= self.lokr_factor <= MAX_LOKR_FACTOR):
+            raise ValueError(f"[Precision LoRA] LoRAConfig.lokr_factor={self.lokr_factor!r} is invalid: use -1 (as square "
+                             f"as possible) or an integer in [1, {MAX_LOKR_FACTOR}]")
+        if self.adapter != "lora" and (self.dropout > 0 or self.rank_dropout > 0):
+            raise ValueError(f"[Precision LoRA] LoRAConfig: dropout={self.dropout!r} / rank_dropout={self.rank_dropout!r} "
+                             f"act on the low-rank path of adapter 'lora' only; adapter={self.adapter!r} has none: set "
+                             "both to 0 (module_dropout works with every adapter)")
 
     @property
     def scale(self) -> float:

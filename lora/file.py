@@ -55,14 +55,18 @@ def _save_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def lora_state_dict(lora_set: LoRASet, key_style: str, dtype: str | torch.dtype = "fp32") -> dict[str, torch.Tensor]:
-    """Tensors to save: down/up in ``dtype`` (multiplier not applied), ``.alpha`` fp32 0-d = scale * rank. CPU, contiguous."""
+    """Tensors to save: each adapter's factors under the keys stock ComfyUI reads for its kind (LoRA
+    down/up, LoKr ``lokr_w*``, LoHa ``hada_w*``, DoRA down/up + ``dora_scale``) in ``dtype`` (multiplier
+    not applied), ``.alpha`` fp32 0-d (scale * rank; none for a full-matrix LoKr, whose scale is 1). CPU, contiguous."""
     dt = _save_dtype(dtype)
     out: dict[str, torch.Tensor] = {}
     for path, a in lora_set.adapters().items():
         prefix = key_prefix(path, key_style)
-        out[prefix + ".lora_down.weight"] = _cast(a.down, dt, prefix + ".lora_down.weight")
-        out[prefix + ".lora_up.weight"] = _cast(a.up, dt, prefix + ".lora_up.weight")
-        out[prefix + ".alpha"] = torch.tensor(a.scale * a.rank, dtype=torch.float32)
+        for suffix, t in a.file_tensors().items():
+            out[prefix + suffix] = _cast(t, dt, prefix + suffix)
+        alpha = a.file_alpha()
+        if alpha is not None:
+            out[prefix + ".alpha"] = torch.tensor(alpha, dtype=torch.float32)
     return out
 
 
@@ -83,9 +87,14 @@ def lora_metadata(config: LoRAConfig, *, family: str, key_style: str, mixed_prec
                   extra: Mapping[str, object] | None = None) -> dict[str, str]:
     """kohya-style ``ss_*`` metadata (strings) for a LoRA trained with ``config``; ``extra`` keys are copied verbatim."""
     args = {k: getattr(config, k) for k in ("targets", "include", "exclude", "blocks", "dropout", "rank_dropout",
-                                              "module_dropout", "rslora", "fp32_accumulation", "param_dtype")}
+                                              "module_dropout", "rslora", "fp32_accumulation", "param_dtype", "adapter")}
+    if config.adapter != "lora":  # LyCORIS's spelling, which other tools read: DoRA is algo lora with dora_wd
+        args.update(algo="lora" if config.adapter == "dora" else config.adapter, dora_wd=config.adapter == "dora")
+    if config.adapter == "lokr":
+        args["factor"] = config.lokr_factor
+    module = "networks.lora_flux" if key_style == "kohya" else "networks.lora"
     md: dict[str, object] = {
-        "ss_network_module": "networks.lora_flux" if key_style == "kohya" else "networks.lora",
+        "ss_network_module": module if config.adapter == "lora" else "lycoris.kohya",
         "ss_network_dim": config.rank,
         "ss_network_alpha": config.scale * config.rank,
         "ss_network_args": json.dumps(args, sort_keys=True),

@@ -23,9 +23,11 @@ from ...lora.file import LoRAFactors, default_key_style, lora_metadata, read_lor
 from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
 from ...lora.targets import select_targets
+from ...lora.adapter_files import is_adapter_file
 from ..checks.file_names import inside, name_problem
 from ..host.quantized import check_layer, is_linear, layer_weight
 from ..model.info import ModelInfo, describe_model
+from . import adapter_glue
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class LoRAForward:
         comfy.ops.run_every_op()
         m = self.module
         for a in self.adapters:
-            if a.down.device != x.device:
+            if next(a.parameters()).device != x.device:
                 with torch.inference_mode(False):  # else Module.to would make its parameters inference tensors
                     a.to(x.device)  # adapters are not submodules of the model: follow the input's device
         weight, bias, release = layer_weight(m, x)  # ComfyUI's cast, dequantized (fp8, scaled fp8, quant_ops)
@@ -72,11 +74,12 @@ def plan_targets(model, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
     return select_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks)
 
 
-def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]], device: torch.device | None = None) -> LoRASet:
+def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]], device: torch.device | None = None,
+                  weights: Mapping[str, torch.Tensor] | None = None) -> LoRASet:
     # Nodes run under inference_mode; trainable parameters must be ordinary tensors. They are placed on the
     # model's load device up front, so an optimizer built on them never sees a later device move.
     with torch.inference_mode(False):
-        lora_set = LoRASet(cfg, shapes)
+        lora_set = LoRASet(cfg, shapes, weights=weights)
         return lora_set if device is None else lora_set.to(device)
 
 
@@ -108,16 +111,23 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
     """
     shapes = plan_targets(model, cfg) if plan is None else plan
     factors: dict[str, LoRAFactors] = {}
+    parsed: dict = {}
+    what = f"PrecisionAttachLoRA: init_lora '{init_file}'"
     if init_file:
         tensors, _md = read_lora_file(init_file)
-        factors = parse_lora(tensors, linear_layers(model), name=f"init LoRA '{init_file}'")
-        factors = fit_rank(factors, cfg.rank, f"PrecisionAttachLoRA: init_lora '{init_file}'")
-    lora_set = _new_lora_set(cfg, shapes, model.load_device)
+        if adapter_glue.uses_adapter_files(cfg, tensors):
+            parsed = adapter_glue.init_adapters(tensors, linear_layers(model), cfg, shapes, what)
+        else:
+            factors = parse_lora(tensors, linear_layers(model), name=f"init LoRA '{init_file}'")
+            factors = fit_rank(factors, cfg.rank, what)
+    weights = adapter_glue.base_weights(model, shapes) if cfg.adapter == "dora" else None
+    lora_set = _new_lora_set(cfg, shapes, model.load_device, weights)
     if factors:
         with torch.inference_mode(False):
             lora_set.load_factors({p: (f.down, f.up, f.scale) for p, f in factors.items()})
-    log.info("[Precision LoRA] attached rank-%d LoRA to %d modules (%d parameters, fp32_accumulation=%s)",
-             cfg.rank, len(shapes), lora_set.num_parameters(), cfg.fp32_accumulation)
+    adapter_glue.load_init(lora_set, parsed, what)
+    log.info("[Precision LoRA] attached rank-%d %s to %d modules (%d parameters, fp32_accumulation=%s)",
+             cfg.rank, cfg.adapter, len(shapes), lora_set.num_parameters(), cfg.fp32_accumulation)
     return install(model, lora_set)
 
 
@@ -183,10 +193,16 @@ def build_lora_metadata(model, info: ModelInfo, lora_set: LoRASet,
 # ---- loading a LoRA file onto a model ---------------------------------------------------------------------
 
 def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, name: str):
-    """Clone with the file's factors as unmerged adapters on the fp32 path (one frozen LoRASet per rank)."""
+    """Clone with the file's factors as unmerged adapters on the fp32 path (one frozen LoRASet per rank; a
+    LoKr / LoHa / DoRA file: one frozen set of its adapters)."""
+    loaded = list(model.get_attachment(LOADED_KEY) or ())
+    if is_adapter_file(tensors):
+        lora_set = adapter_glue.frozen_adapter_set(tensors, linear_layers(model), strength, name, model.load_device)
+        patched = install(model, lora_set, attachment_key=None)
+        patched.set_attachments(LOADED_KEY, (*loaded, lora_set))
+        return patched
     factors = parse_lora(tensors, linear_layers(model), name=name)
     patched = model
-    loaded = list(model.get_attachment(LOADED_KEY) or ())
     for rank in sorted({f.rank for f in factors.values()}):
         group = {p: f for p, f in factors.items() if f.rank == rank}
         cfg = LoRAConfig(rank=rank, alpha=float(rank), targets="none")

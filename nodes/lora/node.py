@@ -11,7 +11,7 @@ from ...attention.backends import BACKENDS
 from ...attention.config import SCALE_MODES, AttentionConfig
 from ...training.checkpoint import save_state, state_beside
 from ...training.guard import NonFiniteError, assert_finite
-from ...lora.config import MAX_RANK, PARAM_DTYPES, LoRAConfig
+from ...lora.config import ADAPTER_KINDS, MAX_LOKR_FACTOR, MAX_RANK, PARAM_DTYPES, LoRAConfig
 from ...lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ...lora.targets import preset_names
 from . import glue
@@ -70,6 +70,13 @@ class PrecisionAttachLoRA(PrecisionNode):
                 io.Combo.Input("init_lora", options=[NONE, *_loras()], default=NONE,
                                tooltip="Continue training from this LoRA file (same rank and targets)."),
                 io.Boolean.Input("dry_run", default=False, tooltip="Only list the matched layers; return the model unchanged."),
+                io.Combo.Input("adapter", options=list(ADAPTER_KINDS), default=DEFAULTS.adapter, optional=True,
+                               tooltip="lora: low-rank pair. lokr: Kronecker product (few parameters; lokr_factor). loha: "
+                                       "Hadamard product of two low-rank pairs (rank up to rank^2). dora: LoRA plus a "
+                                       "per-column magnitude. All keep the fp32 accumulation and save in stock ComfyUI keys."),
+                io.Int.Input("lokr_factor", default=DEFAULTS.lokr_factor, min=-1, max=MAX_LOKR_FACTOR, step=1, optional=True,
+                             tooltip="LoKr only: the small Kronecker factor's side (a divisor of the layer's width at most "
+                                     "this); -1 = as square as possible. 0 is invalid."),
             ],
             outputs=[io.Model.Output(display_name="model", tooltip="The model with LoRA layers attached."),
                      io.String.Output(display_name="targets", tooltip="The adapted layers with their shapes.")],
@@ -81,19 +88,22 @@ class PrecisionAttachLoRA(PrecisionNode):
         names = ("targets", "include", "exclude", "blocks", "param_dtype")
         if any(values.get(n) is None for n in names):
             return None  # a linked input: checked again when the node runs
+        given = {n: values[n] for n in ("adapter", "lokr_factor", "dropout", "rank_dropout") if values.get(n) is not None}
         try:
-            LoRAConfig(**{n: values[n] for n in names})  # validates
+            LoRAConfig(**{n: values[n] for n in names}, **given)  # validates
         except ValueError as e:
             return str(e).replace("[Precision LoRA] ", "")
         return None
 
     @classmethod
     def execute(cls, model, rank, alpha, targets, include, exclude, blocks, fp32_accumulation, dropout, rank_dropout,
-                module_dropout, rslora, param_dtype, seed, init_lora, dry_run) -> io.NodeOutput:
+                module_dropout, rslora, param_dtype, seed, init_lora, dry_run, adapter=DEFAULTS.adapter,
+                lokr_factor=DEFAULTS.lokr_factor) -> io.NodeOutput:
         try:
             cfg = LoRAConfig(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, rank_dropout=rank_dropout,
                              module_dropout=module_dropout, fp32_accumulation=fp32_accumulation, targets=targets,
-                             include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype)
+                             include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype,
+                             adapter=adapter, lokr_factor=lokr_factor)
             plan = glue.plan_targets(model, cfg)
         except ValueError as e:
             raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None

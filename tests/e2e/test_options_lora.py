@@ -278,6 +278,70 @@ def test_load_lora_strength_modes_attention_and_formats(opts):
     assert rel(x["peft"], x["stock_peft"]) < 1e-4 and rel(x["dora"], x["stock_dora"]) < 1e-5
 
 
+ADAPTER_KEYS = {"lokr": {"lokr_w1", "lokr_w2_a", "lokr_w2_b", "alpha"},
+                "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"},
+                "dora": {"lora_down.weight", "lora_up.weight", "dora_scale", "alpha"}}
+
+
+def _write_adapter_inits(base: str) -> dict[str, str]:
+    """A non-zero LoKr (factor 4) / LoHa / DoRA on double block 0's attention, written by the pack's own set."""
+    from lora.config import LoRAConfig
+    from lora.file import lora_state_dict
+    from lora.layer import LoRASet
+
+    sd = safetensors.torch.load_file(os.path.join(base, "models", "diffusion_models", FLUX))
+    paths = ("double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj")
+    shapes = {p: (sd[p + ".weight"].shape[1], sd[p + ".weight"].shape[0]) for p in paths}
+    names = {}
+    for n, kind in enumerate(ADAPTER_KEYS):
+        s = LoRASet(LoRAConfig(rank=4, alpha=4.0, adapter=kind, lokr_factor=4), shapes,
+                    weights={p: sd[p + ".weight"].float() for p in paths})
+        g = torch.Generator().manual_seed(n)
+        with torch.no_grad():
+            for name, t in s.named_parameters():
+                if name.endswith("magnitude"):
+                    t.mul_(1 + 0.05 * torch.randn(t.shape, generator=g))
+                else:
+                    t.add_(0.2 * torch.randn(t.shape, generator=g))
+        names[kind] = f"options_init_{kind}.safetensors"
+        save_lora_file(os.path.join(base, "models", "loras", names[kind]), lora_state_dict(s, "kohya"), {}, overwrite=True)
+    return names
+
+
+def test_attach_adapter_kinds_continue_save_and_sample_like_stock(opts):
+    """Attach LoRA's adapter (lora named explicitly, lokr with lokr_factor 4, loha, dora) through /prompt, each
+    continuing from a file of its kind: the model samples as stock ComfyUI's LoraLoaderModelOnly makes it with
+    that file, and as the pack's Load LoRA does; the saved file holds the kind's stock keys, the file's values
+    among them."""
+    inits = _write_adapter_inits(opts.server.base_dir)
+    g, loader = base_graph()
+    base = sample(g, out(loader), loader, "adapter_base")
+    cases, saves = {}, {}
+    for kind, init in {"lora": INIT, **inits}.items():
+        extra = {"lokr_factor": 4} if kind == "lokr" else {}
+        node = g.add("PrecisionAttachLoRA", model=out(loader), **{**ATTACH, "adapter": kind, "init_lora": init, **extra})
+        saves[kind] = g.add("PrecisionSaveLoRA", model=out(node), filename_prefix=f"options/adapter_{kind}", **SAVE)
+        stock = g.add("LoraLoaderModelOnly", model=out(loader), lora_name=init, strength_model=1.0)
+        cases[kind] = {"attached": sample(g, out(node), loader, f"adapter_{kind}"),
+                       "stock": sample(g, out(stock), loader, f"adapter_stock_{kind}"),
+                       "loaded": sample(g, out(_load(g, loader, init)), loader, f"adapter_loaded_{kind}")}
+    entry = opts.run(g)
+    plain = opts.latent(entry, base)
+    for kind, ids in cases.items():
+        x = {k: opts.latent(entry, v) for k, v in ids.items()}
+        assert rel(x["stock"], plain) > 1e-3, kind
+        assert rel(x["attached"], x["stock"]) < 1e-4 and rel(x["loaded"], x["stock"]) < 1e-4, kind
+    for kind, init in inits.items():
+        _, tensors, md = opts.saved_lora(entry, saves[kind])
+        assert {k.split(".", 1)[1] for k in tensors} == ADAPTER_KEYS[kind]
+        written = safetensors.torch.load_file(opts.path("models", "loras", init))
+        assert written.keys() < tensors.keys()  # the file's two modules among the attention preset's
+        assert all(torch.allclose(tensors[k], written[k], rtol=1e-6, atol=1e-7) for k in written), kind
+        args = json.loads(md["ss_network_args"])
+        assert args["adapter"] == kind and md["ss_network_module"] == "lycoris.kohya"
+        assert args.get("factor") == (4 if kind == "lokr" else None)
+
+
 def test_every_lora_option_went_through_the_server(opts):
     """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and every
     option of the pack's own option lists was sent (but kernels this host does not have)."""

@@ -1,0 +1,72 @@
+"""ComfyUI glue for the LoKr / LoHa / DoRA adapters: DoRA's base weights, init_lora from an adapter file, and the
+frozen set the pack's loader builds from one (the numerics are in ``lora.adapters``, the file reading in
+``lora.adapter_files``)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ...lora.adapter_files import FileAdapter, build_adapter, is_adapter_file, parse_adapter_file
+from ...lora.config import LoRAConfig
+from ...lora.layer import LoRASet
+
+
+def base_weights(model, paths) -> dict[str, torch.Tensor]:
+    """Path -> the layer's weight as fp32 on the CPU (DoRA starts its magnitude at its column norms). A scaled
+    fp8 weight (``scale_weight``, what ComfyUI's fp8 ops dequantise with) is multiplied by its scale."""
+    modules = dict(model.model.diffusion_model.named_modules())
+    out = {}
+    for path in paths:
+        m = modules[path]
+        w = m.weight.detach().float()
+        scale = getattr(m, "scale_weight", None)
+        out[path] = (w * scale.detach().float() if isinstance(scale, torch.Tensor) else w).cpu()
+    return out
+
+
+def uses_adapter_files(cfg: LoRAConfig, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """True when init_lora must go through the adapter files' reader (an adapter kind, or a file of one)."""
+    return cfg.adapter != "lora" or is_adapter_file(tensors)
+
+
+def init_adapters(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[int, int]], cfg: LoRAConfig,
+                  shapes: Mapping[str, tuple[int, int]], what: str) -> dict[str, FileAdapter]:
+    """The file's modules for init_lora, checked against the adapter kind and the targets (ValueError naming
+    ``what``, the file's kind and the fix)."""
+    parsed = parse_adapter_file(tensors, linears, name=what)
+    kinds = sorted({fa.kind for fa in parsed.values()})
+    if kinds != [cfg.adapter]:
+        raise ValueError(f"[Precision LoRA] {what} holds {'/'.join(kinds)} adapters but adapter={cfg.adapter!r}: set "
+                         f"adapter to {kinds[0]!r} (continuing needs the same kind)")
+    outside = sorted(set(parsed) - set(shapes))
+    if outside:
+        raise ValueError(f"[Precision LoRA] {what}: {len(outside)} of its modules are not among the selected targets "
+                         f"(e.g. '{outside[0]}'): widen targets / include to cover them")
+    return parsed
+
+
+def load_init(lora_set: LoRASet, parsed: Mapping[str, FileAdapter], what: str) -> None:
+    """Copy init_lora's modules into the new set's adapters (ValueError naming the module and the fix)."""
+    adapters = lora_set.adapters()
+    with torch.inference_mode(False):
+        for path, fa in parsed.items():
+            try:
+                adapters[path].load_file(fa.parts, fa.scale)
+            except ValueError as e:
+                raise ValueError(f"[Precision LoRA] {what}: {fa.kind} module '{path}': {e}; set rank (and lokr_factor) "
+                                 "to the file's") from None
+
+
+def frozen_adapter_set(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[int, int]],
+                       strength: float, name: str, device: torch.device | None) -> LoRASet:
+    """A frozen set holding an adapter file's modules (every kind, plain LoRA modules included) at ``strength``."""
+    parsed = parse_adapter_file(tensors, linears, name=name)
+    with torch.inference_mode(False):
+        adapters = {p: build_adapter(p, fa, linears[p], name) for p, fa in parsed.items()}
+        lora_set = LoRASet(LoRAConfig(targets="none"), {}, adapters=adapters)
+        if device is not None:
+            lora_set.to(device)
+        lora_set.requires_grad_(False)
+    lora_set.set_multiplier(strength)
+    return lora_set
