@@ -101,6 +101,7 @@ class Hooks:
     save_checkpoint: Callable[[TrainingState, str], str] | None = None
     is_interrupt: Callable[[BaseException], bool] | None = None
     save_ema: Callable[[int], str] | None = None
+    views_on_step: bool = True  # on_step may preview: call it inside the preview view (False: raw weights, no copies)
 
 
 @dataclass
@@ -400,7 +401,7 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 log.info("[Precision LoRA] training interrupted during step %d", run.step + 1)
                 break
             report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
-            with run.views.view(run.views.preview):  # previews show the averaged / EMA weights when chosen
+            with run.views.view(run.views.preview if hooks.views_on_step else None):  # previews: averaged / EMA weights
                 action = hooks.on_step(report) if hooks.on_step else None
             if action is not None and action not in ACTIONS:
                 raise ValueError(f"[Precision LoRA] on_step returned {action!r}; expected one of {ACTIONS}")

@@ -357,7 +357,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
                       is_interrupt=lambda exc: isinstance(exc, mm.InterruptProcessingException),
-                      save_ema=ema_writer(out, lora_set, name, cfg))
+                      save_ema=ema_writer(out, lora_set, name, cfg), views_on_step=previewer is not None)
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,

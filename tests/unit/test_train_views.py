@@ -175,3 +175,18 @@ def test_views_of_a_bf16_lora_keep_its_fp32_masters_and_chain_bit_identically(ex
         dataclasses.replace(state, train_lora={n: state.masters[n] for n in state.masters}))
     assert all(torch.equal(state.lora[n], view[n].to(torch.bfloat16)) for n in state.lora)
     assert not all(torch.equal(state.lora[n], state.train_lora[n]) for n in state.lora)
+
+
+def test_on_step_without_previews_sees_the_trained_weights():
+    """``views_on_step=False`` (the node sets it when no preview is connected): on_step gets the weights
+    training continues from and no view is made; the run is the same."""
+    seen, nets = {}, {}
+    for flag in (True, False):
+        net = nets[flag] = ToyNet(DIM)
+        train(net.lora, toy_data(2, DIM), toy_fns(net), SF, steps=3, seed=0,
+              hooks=Hooks(lambda r, f=flag: seen.__setitem__(f, _values(nets[f].lora)), views_on_step=flag))
+    ref = ToyNet(DIM)
+    state = train(ref.lora, toy_data(2, DIM), toy_fns(ref), SF, steps=3, seed=0).state
+    assert all(torch.equal(seen[False][n], state.train_lora[n]) for n in state.lora)
+    assert all(torch.equal(seen[True][n], state.lora[n]) for n in state.lora)
+    assert all(torch.equal(v, state.lora[n]) for n, v in _values(nets[False].lora).items())
