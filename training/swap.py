@@ -150,12 +150,11 @@ class BlockSwap:
         self.loads += 1
 
     def _direction(self, i: int) -> int:
-        last = len(self.packed) - 1
         if i == 0:
             return 1
-        if i == last or self.previous is None:
-            return -1 if i == last else 1
-        return 1 if i > self.previous else -1
+        if i == len(self.packed) - 1:  # the turnaround: the recomputation comes back down
+            return -1
+        return 1 if self.previous is None or i > self.previous else -1
 
     def before(self, i: int) -> None:
         """Block ``i`` is about to run: make it resident (wait for its copy), then queue the next block."""

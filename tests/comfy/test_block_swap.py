@@ -149,6 +149,13 @@ def test_swap_without_checkpointing_or_beyond_the_blocks_is_refused(mods, pack_m
         _run(mods, m, latent, cond, 1, _settings(mods, most + 1))
     msg = str(err.value)
     assert "PrecisionTrainSettings" in msg and f"'swap_blocks'={most + 1}" in msg and f"at most {most}" in msg
+    # a stock LoRA loader's weight patch is applied by ComfyUI only on a whole-model load: refused, nothing moved
+    patched = m.clone()
+    key = next(k for k in patched.model.state_dict() if k.endswith(".weight") and "blocks.0." in k)
+    assert patched.add_patches({key: ("diff", (torch.zeros_like(patched.model.state_dict()[key]),))}) == [key]
+    with pytest.raises(ValueError) as err:
+        _run(mods, patched, latent, cond, 1, _settings(mods, 1))
+    assert "1 weight patches" in str(err.value) and "set swap_blocks to 0" in str(err.value)
 
 
 def test_bench_prints_swap_beside_no_swap(loads, monkeypatch, capsys):
