@@ -39,9 +39,10 @@ SUPPORTED_TEXT = "ComfyUI 0.3.75 up to 0.33.x (tested: 0.3.75 and 0.33.0)"
 # (gradients silently stop), flash is a custom op without an autograd formula, the int8 kernel has none.
 NO_BACKWARD_ATTENTION = ("attention_sage", "attention3_sage", "attention_flash", "attention_comfy_kitchen_int8")
 # comfy-kitchen ops that the model code calls and that have no autograd formula; each has a plain-PyTorch
-# twin of the same name in comfy_kitchen.backends.eager.rope.
+# twin of the same name in comfy_kitchen.backends.eager.rope or .adaln (LTXV's rms_adaln; "_": in place).
 KITCHEN_ROPE_OPS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1",
-                    "rms_rope", "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1")
+                    "rms_rope", "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1",
+                    "rms_rope_", "rms_rope_split_half_", "rms_adaln")
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -120,15 +121,37 @@ class _KitchenRouter:
         return route
 
 
+class _PlainKitchen:
+    """comfy-kitchen's plain-PyTorch ops (its eager backend's rope and adaln modules) as one namespace."""
+
+    def __init__(self, *modules: Any) -> None:
+        self._modules = modules
+
+    def __getattr__(self, name: str) -> Any:
+        for module in self._modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(name)
+
+
 def _kitchen_holder() -> tuple[Any, Any] | None:
-    """(comfy.quant_ops module, comfy-kitchen's plain-PyTorch rope module) where ComfyUI uses
-    comfy-kitchen, else None (0.3.75)."""
+    """(comfy.quant_ops module, comfy-kitchen's plain-PyTorch ops) where ComfyUI uses comfy-kitchen,
+    else None (0.3.75)."""
     try:
         import comfy.quant_ops as quant_ops
-        from comfy_kitchen.backends.eager import rope as plain
+        from comfy_kitchen.backends.eager import adaln, rope
     except ImportError:
         return None
-    return (quant_ops, plain) if hasattr(quant_ops, "ck") else None
+    return (quant_ops, _PlainKitchen(rope, adaln)) if hasattr(quant_ops, "ck") else None
+
+
+def _direct_kitchen_users(kitchen: Any) -> list[Any]:
+    """ComfyUI model modules that imported ``comfy_kitchen`` itself (JoyImage: ``comfy_kitchen.rms_rope``)
+    rather than going through ``comfy.quant_ops.ck``."""
+    import sys
+
+    return [m for n, m in list(sys.modules.items())
+            if n.startswith("comfy.ldm") and m is not None and getattr(m, "comfy_kitchen", None) is kitchen]
 
 
 _depth = 0
@@ -150,6 +173,9 @@ def _enter() -> None:
             quant_ops, plain = holder
             _saved["ck"] = quant_ops.ck
             quant_ops.ck = _KitchenRouter(quant_ops.ck, plain)
+            _saved["direct"] = _direct_kitchen_users(_saved["ck"])
+            for module in _saved["direct"]:
+                module.comfy_kitchen = quant_ops.ck
 
 
 def _exit() -> None:
@@ -163,6 +189,8 @@ def _exit() -> None:
         if "ck" in _saved:
             import comfy.quant_ops as quant_ops
 
+            for module in _saved.pop("direct", []):
+                module.comfy_kitchen = _saved["ck"]
             quant_ops.ck = _saved.pop("ck")
 
 

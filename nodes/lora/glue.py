@@ -22,7 +22,7 @@ from ...lora.layer import LoRAAdapter, LoRASet, lora_linear
 from ...lora.file import LoRAFactors, default_key_style, lora_metadata, read_lora_file
 from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
-from ...lora.targets import select_targets
+from ...lora.targets import TargetPlan, plan_targets as _plan_targets
 from ...lora.adapter_files import is_adapter_file
 from ..checks.file_names import inside, name_problem
 from ..host.quantized import check_layer, is_linear, layer_weight
@@ -69,9 +69,15 @@ def model_family(model) -> str:
     return describe_model(model).family
 
 
+def target_plan(model, cfg: LoRAConfig) -> TargetPlan:
+    """What ``cfg`` selects in this model, and the preset's matches left out as narrower than the rank."""
+    return _plan_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks,
+                         rank=cfg.rank)
+
+
 def plan_targets(model, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
     """The modules ``cfg`` selects in this model (ValueError listing module names when none)."""
-    return select_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks)
+    return target_plan(model, cfg).chosen
 
 
 def _new_lora_set(cfg: LoRAConfig, shapes: Mapping[str, tuple[int, int]], device: torch.device | None = None,

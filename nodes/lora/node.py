@@ -104,10 +104,11 @@ class PrecisionAttachLoRA(PrecisionNode):
                              module_dropout=module_dropout, fp32_accumulation=fp32_accumulation, targets=targets,
                              include=include, exclude=exclude, blocks=blocks, seed=seed, param_dtype=param_dtype,
                              adapter=adapter, lokr_factor=lokr_factor)
-            plan = glue.plan_targets(model, cfg)
+            target_plan = glue.target_plan(model, cfg)
         except ValueError as e:
             raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
-        listing = "\n".join(f"{p}  ({i} -> {o})" for p, (i, o) in plan.items())
+        plan = target_plan.chosen
+        listing = "\n".join([f"{p}  ({i} -> {o})" for p, (i, o) in plan.items()] + target_plan.report_lines())
         if dry_run:
             return io.NodeOutput(model, f"dry run: {len(plan)} layers\n{listing}")
         init = None if init_lora == NONE else folder_paths.get_full_path_or_raise("loras", init_lora)

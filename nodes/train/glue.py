@@ -31,6 +31,7 @@ from ...lora.file import default_key_style, lora_state_dict, save_lora_file
 from ...training.loop import ModelFns
 from ...training.settings import TrainSettings
 from . import checkpoint_files, swap_glue
+from ..attention.reach import reach_context
 from ..host.comfy_compat import model_gradients
 from ..host.quantized import is_quantized
 from ..lora.glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
@@ -51,7 +52,8 @@ def needs_in_place_fix(model: Any) -> bool:
 
 
 def flow_kind(model_sampling: Any) -> str:
-    """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM). ValueError otherwise."""
+    """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM; CogVideoX's
+    V_PREDICTION_DDPM). ValueError otherwise."""
     if isinstance(model_sampling, cms.CONST):
         return "rflow"
     if isinstance(model_sampling, cms.COSMOS_RFLOW):
@@ -59,6 +61,10 @@ def flow_kind(model_sampling: Any) -> str:
     if isinstance(model_sampling, cms.X0):
         raise ValueError("[Precision LoRA] PrecisionTrainLoRA: x0-prediction models are not supported for training")
     if isinstance(model_sampling, cms.EPS):
+        return "eps"
+    if isinstance(model_sampling, getattr(cms, "V_PREDICTION_DDPM", ())):
+        # CogVideoX (ComfyUI 0.33+): x_t = x0 + sigma * noise as for eps models, and apply_model returns x0
+        # either way, so the noise it implies is (x_t - x0_hat) / sigma: it trains as the eps models do.
         return "eps"
     raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: unsupported model sampling {type(model_sampling).__name__}")
 
@@ -215,7 +221,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
         lora_set.to(device)
     try:
-        with autograd_enabled(), model_gradients():
+        with autograd_enabled(), model_gradients(), reach_context(model):
             for p, _ in frozen:
                 p.requires_grad_(False)
             # swap outside checkpointing: the recomputation passes through the swap's wrappers too
