@@ -246,6 +246,10 @@ class LoRAAdapter(nn.Module):
     def file_alpha(self) -> float | None:
         return self.scale * self.rank
 
+    def delta_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``multiplier * scale * up @ down`` as fp32 (out, in) (every adapter kind has one; DoRA's needs ``weight``)."""
+        return (self.up.float() @ self.down.float()) * (self.scale * self.multiplier)
+
     def forward_with_base(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Base linear plus this adapter; see the module docstring for the dtype contract."""
         return lora_linear(x, weight, bias, (self,))

@@ -56,10 +56,11 @@ def projection_gain(real: torch.Tensor, ideal: torch.Tensor) -> float:
     return float((real.double() * ideal).sum()) / denom
 
 
-def adapter_delta_weight(adapters: Sequence[LoRAAdapter]) -> torch.Tensor:
-    """ΔW = Σ multiplier · scale · up @ down over stacked adapters, (out, in) fp32, detached."""
+def adapter_delta_weight(adapters: Sequence[LoRAAdapter], weight: torch.Tensor | None = None) -> torch.Tensor:
+    """ΔW = Σ multiplier · scale · up @ down over stacked adapters (each kind's ``delta_weight``: LoKr, LoHa and
+    DoRA too, DoRA's from ``weight``), (out, in) fp32, detached."""
     with torch.no_grad():
-        return sum((a.up.float() @ a.down.float()) * (a.scale * a.multiplier) for a in adapters)
+        return sum(a.delta_weight(weight) for a in adapters)
 
 
 @contextmanager
@@ -95,7 +96,7 @@ def delta_survival(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     wb = weight.detach().to(torch.bfloat16)
     bb = None if bias is None else bias.detach().to(torch.bfloat16)
     adapters = tuple(adapters)
-    dw = adapter_delta_weight(adapters)
+    dw = adapter_delta_weight(adapters, wb)
     base = F.linear(xb, wb, bb)
     ideal = xb.double() @ dw.double().t()
     delta32 = xb.float() @ dw.t()

@@ -190,3 +190,19 @@ def test_parser_refuses_forms_it_does_not_implement():
         {f"{base}.lokr_w1": torch.ones(4, 4), f"{base}.lokr_w2": torch.ones(24, 16)}, shapes)[
         "double_blocks.0.img_attn.qkv"], (64, 96)), LoKrAdapter)
     assert LoHaAdapter and DoRAAdapter
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_probe_measures_each_kind_against_its_own_delta(kind):
+    """probe.survival takes each kind's delta (DoRA's from the layer's weight): the pack's layer realises the
+    probe's ideal change (gain 1, small relative error), which a LoRA-only formula would miss for these kinds."""
+    from probe.survival import adapter_delta_weight, delta_survival
+
+    x, w, b = _data()
+    a = _adapter(kind, 64, 96, w.bfloat16().float(), lokr_factor=4)
+    _randomize(a, 5)
+    p64 = {n: p.detach().double() for n, p in a.named_parameters()}
+    ref = _ref_delta(kind, p64, a.scale, w.bfloat16().double())
+    torch.testing.assert_close(adapter_delta_weight([a], w.bfloat16()).double(), ref, rtol=1e-5, atol=1e-6)
+    stats = delta_survival(x, w, b, [a])
+    assert stats.gains["fp32_unmerged"] == pytest.approx(1.0, abs=0.01) and stats.rel_errors["fp32_unmerged"] < 0.05
