@@ -156,11 +156,15 @@ def plan_targets(linears: Mapping[str, tuple[int, int]], family: str, targets: s
 
 def _nothing_matches(linears: Mapping[str, tuple[int, int]], family: str, targets: str, include: str, exclude: str,
                      blocks: str, narrow: list[TargetInfo], rank: int) -> str:
+    if narrow:  # every match is narrower than the rank: the rank is what to change
+        widest = max(narrow, key=lambda t: min(t.in_features, t.out_features))
+        return (f"[Precision LoRA] LoRA rank={rank} exceeds the width of '{widest.path}' "
+                f"({widest.out_features}x{widest.in_features}): use rank <= "
+                f"{min(widest.in_features, widest.out_features)}, the widest of the {len(narrow)} modules "
+                f"targets={targets!r} include={include!r} selects, or select wider modules")
     sample = ", ".join(sorted(linears)[:8]) or "(the model has no linear layers)"
-    left = (f"; {len(narrow)} matching modules are narrower than rank={rank} (e.g. {narrow[0].describe()}): "
-            "lower the rank" if narrow else "")
     return (f"[Precision LoRA] no module matches targets={targets!r} include={include!r} exclude={exclude!r} "
-            f"blocks={blocks!r} for family '{family}' ({len(linears)} linear layers, e.g. {sample}){left}: "
+            f"blocks={blocks!r} for family '{family}' ({len(linears)} linear layers, e.g. {sample}): "
             "widen the preset, fix the regex or the block filter")
 
 

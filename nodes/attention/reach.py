@@ -25,8 +25,9 @@ override itself (its kernels call SDPA too), and pass every other call through u
 call the override cannot take (``is_causal``, dropout, not 4-D, GQA with a mask) runs unchanged and is
 counted with its reason in ``unreached(override)``, which the attention node's report names.
 
-Limit: activation checkpointing recomputes blocks during the backward pass, after the forward returned;
-``reach_context(model)`` holds the same state around any span (e.g. forward + backward of a step).
+Activation checkpointing recomputes blocks during the backward pass, after the forward returned: the
+training session holds ``reach_context(model)`` around the whole run, so the recomputation computes
+with the same attention as the forward.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ WRAPPER_KEY = "precision_lora_attention_reach"
 _OPTIONS: ContextVar[dict | None] = ContextVar("precision_lora_attention_options", default=None)
 _INSIDE: ContextVar[bool] = ContextVar("precision_lora_inside_attention", default=False)
 _lock = threading.Lock()
-_state: dict[str, Any] = {"depth": 0, "saved": []}
+_state: dict[str, Any] = {"depth": 0, "saved": [], "process_wide": []}
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -65,6 +66,15 @@ def _comfy_attention_functions() -> set[int]:
             and n != "optimized_attention_for_device"}
 
 
+def _active_options() -> dict | None:
+    """This context's forward's options, else those of a process-wide span (``reach_context``: a training
+    step's backward may run in autograd's worker threads, which do not see the step's context)."""
+    options = _OPTIONS.get()
+    if options is None and _state["process_wide"]:
+        options = _state["process_wide"][-1]
+    return options
+
+
 class _OptionsShim:
     """ComfyUI attention function that adds the running forward's transformer_options to calls without."""
 
@@ -73,7 +83,7 @@ class _OptionsShim:
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        options = _OPTIONS.get()
+        options = _active_options()
         if options is not None and kwargs.get("transformer_options") is None:
             kwargs["transformer_options"] = options
         return self.func(*args, **kwargs)
@@ -108,7 +118,7 @@ def _unreachable_reason(q: torch.Tensor, attn_mask: Any, dropout_p: float, is_ca
 def _sdpa_shim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
-    options = _OPTIONS.get()
+    options = _active_options()
     override = None if options is None or _INSIDE.get() else options.get("optimized_attention_override")
     if override is None or kwargs:
         extra = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
@@ -160,23 +170,32 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def reach_options(options: dict | None) -> Iterator[None]:
-    """Within the block, attention calls of this context reach the override in ``options``."""
+def reach_options(options: dict | None, process_wide: bool = False) -> Iterator[None]:
+    """Within the block, attention calls of this context reach the override in ``options``
+    (``process_wide``: also calls from threads without a forward of their own, see ``_active_options``)."""
     if not options or "optimized_attention_override" not in options:
         yield
         return
     token = _OPTIONS.set(options)
     _install()
+    if process_wide:
+        with _lock:
+            _state["process_wide"].append(options)
     try:
         yield
     finally:
+        if process_wide:
+            with _lock:
+                _state["process_wide"].remove(options)
         _uninstall()
         _OPTIONS.reset(token)
 
 
 def reach_context(model: Any) -> contextlib.AbstractContextManager[None]:
-    """``reach_options`` with a ModelPatcher's transformer_options (e.g. around a training step)."""
-    return reach_options(getattr(model, "model_options", {}).get("transformer_options"))
+    """``reach_options`` with a ModelPatcher's transformer_options, process-wide: around a training run,
+    so the blocks that activation checkpointing recomputes during the backward pass (after the forward
+    returned, possibly in autograd's worker threads) compute with the same attention as the forward."""
+    return reach_options(getattr(model, "model_options", {}).get("transformer_options"), process_wide=True)
 
 
 def reach_wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

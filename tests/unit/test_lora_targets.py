@@ -143,7 +143,8 @@ def test_module_narrower_than_the_rank_is_left_out_and_reported():
     with pytest.raises(ValueError, match=r"include='projector' names 'txtfusion\.projector' \(12 -> 1\), narrower "
                                          r"than rank=4: use rank <= 1"):
         plan_targets(KREA2, "Krea2", "none", include="projector", rank=4)
-    with pytest.raises(ValueError, match=r"1 matching modules are narrower than rank=4 .*lower the rank"):
+    with pytest.raises(ValueError, match=r"rank=4 exceeds the width of 'txtfusion\.projector' \(1x12\): use rank <= 1, "
+                                         r"the widest of the 1 modules targets='all'"):
         plan_targets({"txtfusion.projector": (12, 1)}, "Krea2", "all", rank=4)
 
 
