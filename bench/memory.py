@@ -82,12 +82,16 @@ def _inputs(model: Any, size: int, tokens: int, device: Any = None) -> tuple[Any
 # Text-context widths the demo conditioning does not know: Qwen-Image (Qwen2.5-VL 7B hidden states; the
 # model's joint_attention_dim) and Z-Image (Qwen3-4B; detection's cap_feat_dim).
 CONTEXT_WIDTHS = {"qwen_image": 3584}
+SDXL_POOLED = {2816: 1280}  # SDXL's label input (adm_in_channels) -> the pooled CLIP-G width it is built from
 
 
 def _conditioning(model: Any, nodes: Any, tokens: int) -> list:
     import torch
 
     config = model.model.model_config.unet_config
+    if config.get("adm_in_channels") in SDXL_POOLED:  # CLIP-G pooled + six 256-wide size embeddings = 2816
+        pooled = SDXL_POOLED[config["adm_in_channels"]]
+        return [[torch.randn(1, tokens, int(config["context_dim"])), {"pooled_output": torch.randn(1, pooled)}]]
     width = CONTEXT_WIDTHS.get(config.get("image_model")) or config.get("cap_feat_dim")
     if width is None:
         return nodes.make_conditioning(model, "estimate", 0, tokens)

@@ -7,6 +7,7 @@ the results between the ``memory-table`` markers of ``--doc``. Usage::
 
     .venv/bin/python bench/memory_table.py                       # every model, 512 and 1024 px
     .venv/bin/python bench/memory_table.py --models sdxl,anima --sizes 1024
+    .venv/bin/python bench/memory_table.py --models flux1-dev --base bf16   # extra rows in another base
     .venv/bin/python bench/memory_table.py --table-only          # rewrite the doc's table from the results
 """
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="1024,512")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "memory_table.jsonl"))
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "memory.md"))
+    p.add_argument("--base", choices=["bf16", "fp8"], help="every row in this base (default: each model's, BASE)")
     p.add_argument("--rerun", action="store_true", help="run rows again even when the results have them")
     p.add_argument("--table-only", action="store_true", help="only write the doc's table from the results")
     args = p.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         for model in args.models.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
-                base = BASE.get(model, "fp8")
+                base = args.base or BASE.get(model, "fp8")
                 key = (model, size, base)
                 if not args.rerun and any((r["model"], r["size"], r["base"]) == key for r in rows):
                     continue

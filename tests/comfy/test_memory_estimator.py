@@ -119,3 +119,13 @@ def test_device_cuda_is_parsed_and_refused_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--device cuda: no CUDA device here"):
         memory.measured_on_cuda(args, {"tracked_gib": 1.0})
+
+
+def test_sdxl_conditioning_is_what_its_label_input_is_built_from(pack_module):
+    """SDXL's label input (adm_in_channels 2816) is CLIP-G's pooled output (1280) + six size embeddings:
+    the estimate's conditioning must give ComfyUI's own encode_adm what it builds that from."""
+    mode, model = memory.fake_model("sdxl", "bf16")
+    with mode:
+        context, extra = memory._conditioning(model, pack_module("demo.nodes"), 77)[0]
+        adm = model.model.encode_adm(pooled_output=extra["pooled_output"], width=1024, height=1024)
+    assert tuple(context.shape) == (1, 77, 2048) and tuple(adm.shape) == (1, 2816)
