@@ -10,18 +10,20 @@ import torch
 from ...lora.adapter_files import FileAdapter, build_adapter, is_adapter_file, parse_adapter_file
 from ...lora.config import LoRAConfig
 from ...lora.layer import LoRASet
+from ..host.quantized import layer_weight
 
 
 def base_weights(model, paths) -> dict[str, torch.Tensor]:
-    """Path -> the layer's weight as fp32 on the CPU (DoRA starts its magnitude at its column norms). A scaled
-    fp8 weight (``scale_weight``, what ComfyUI's fp8 ops dequantise with) is multiplied by its scale."""
+    """Path -> the weight the layer computes with (``nodes.host.quantized.layer_weight``: fp8, scaled fp8 and
+    per-layer quantized weights dequantized), as fp32 on the CPU: DoRA starts its magnitude at its column norms."""
     modules = dict(model.model.diffusion_model.named_modules())
     out = {}
     for path in paths:
         m = modules[path]
-        w = m.weight.detach().float()
-        scale = getattr(m, "scale_weight", None)
-        out[path] = (w * scale.detach().float() if isinstance(scale, torch.Tensor) else w).cpu()
+        probe = torch.zeros(1, m.in_features, dtype=torch.float32)  # only tells the cast the device and dtype
+        weight, _bias, release = layer_weight(m, probe)
+        out[path] = weight.detach().float().cpu().clone()
+        release()
     return out
 
 

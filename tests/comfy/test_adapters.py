@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -130,3 +131,33 @@ def test_tiny_flux_memorisation_loss_falls_with_each_adapter(kind, lr, pack_modu
     losses = [p["loss"] for p in result.state.history]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last <= 0.6 * first, f"{kind}: first-5 mean {first:.4f}, last-5 mean {last:.4f}"
+
+
+def test_dora_on_a_scaled_fp8_base_uses_the_dequantized_weight(pack_module, glue, cfg_cls):
+    """DoRA's magnitude starts at the column norms of the weight the layer computes with (ComfyUI's scaled fp8:
+    fp8 values times scale_weight), and the adapted layer equals that weight plus DoRA's delta."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_quantized_base as tq  # its quantized-file writer and loader
+
+    class M:
+        tiny, load = pack_module("demo.tiny_models"), pack_module("nodes.model.load")
+    ref = tq.write_quantized(M, "flux1_dev", "scaled_fp8", "adapters_dora_scaled_fp8.safetensors")
+    model = tq.load(M, "pack", "adapters_dora_scaled_fp8.safetensors")
+    with torch.inference_mode():
+        patched = glue.attach_lora(model, cfg_cls(rank=2, alpha=2.0, targets="attention", adapter="dora"))
+    lora_set = glue.get_lora_set(patched)
+    for path, a in lora_set.adapters().items():
+        norms = ref[f"{path}.weight"].norm(dim=0, keepdim=True) + torch.finfo(torch.float32).eps
+        torch.testing.assert_close(a.magnitude.detach(), norms, rtol=1e-6, atol=0)
+    randomize(lora_set, 4)
+    gen = torch.Generator().manual_seed(0)
+    for path, a in lora_set.adapters().items():
+        w = ref[f"{path}.weight"]
+        x = torch.randn(3, a.in_features, generator=gen)
+        with torch.no_grad():
+            out = patched.object_patches[f"diffusion_model.{path}.forward"](x)
+            expect = x.double() @ (w.double() + a.delta_weight(w).double()).t()
+            bias = dict(model.model.diffusion_model.named_modules())[path].bias
+            if bias is not None:  # as the host stores it (ComfyUI 0.3.75's scaled fp8 layers: in fp8)
+                expect += ref[f"{path}.bias"].to(bias.dtype).double()
+        assert float((out.double() - expect).abs().max() / expect.abs().max()) < 1e-5, path
