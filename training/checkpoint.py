@@ -121,7 +121,10 @@ def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str]
     return path
 
 
-FACTOR_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight")
+FACTOR_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight",
+                   # the trainable tensors of the other adapter kinds (lora/adapters.py), in stock ComfyUI's keys
+                   ".lokr_w1", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".hada_w1_a", ".hada_w1_b", ".hada_w2_a",
+                   ".hada_w2_b", ".dora_scale")
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -206,3 +206,25 @@ def test_probe_measures_each_kind_against_its_own_delta(kind):
     torch.testing.assert_close(adapter_delta_weight([a], w.bfloat16()).double(), ref, rtol=1e-5, atol=1e-6)
     stats = delta_survival(x, w, b, [a])
     assert stats.gains["fp32_unmerged"] == pytest.approx(1.0, abs=0.01) and stats.rel_errors["fp32_unmerged"] < 0.05
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_state_recognises_its_adapter_file(kind):
+    """resume_from checks that a state holds the saved file's values (training.checkpoint.state_lora_mismatch):
+    every trainable tensor of each kind is one of the file's factors, so an unchanged file matches and a
+    changed one does not (before, LoKr / LoHa files had 'no factors' and DoRA's magnitude was not counted)."""
+    from types import SimpleNamespace
+
+    from training.checkpoint import state_lora_mismatch
+
+    shapes = {"double_blocks.0.img_attn.qkv": (64, 96)}
+    weights = {p: torch.randn(o, i) for p, (i, o) in shapes.items()}
+    s = LoRASet(LoRAConfig(rank=4, adapter=kind, lokr_factor=4), shapes, weights=weights)
+    _randomize(s.adapters()["double_blocks.0.img_attn.qkv"], 6)
+    state = SimpleNamespace(lora={n: p.detach().clone() for n, p in s.named_parameters()})
+    for dtype in ("fp32", "bf16"):
+        assert state_lora_mismatch(state, lora_state_dict(s, "kohya", dtype)) is None
+    with torch.no_grad():
+        next(iter(s.parameters())).add_(1.0)
+    assert state_lora_mismatch(state, lora_state_dict(s, "kohya")) == "their LoRA values differ (1 of " + \
+        f"{len(state.lora)} tensors)"
