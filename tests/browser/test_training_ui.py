@@ -1,6 +1,7 @@
 """The training workflow driven from the page like a user: drop it, press Run, watch the loss chart fill,
 reload the page mid-run (the chart comes back), press Checkpoint now and Stop; then the LoRA the run wrote
-shows its metadata on the loader of the inference workflow."""
+shows its metadata on the loader of the inference workflow, whose image the LoRA and its recorded softmax scale
+change (against strength 0 and attention 'ignore', set on the page's loader)."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +10,9 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
+from PIL import Image
 from safetensors import safe_open
 
 from precision_browser import (
@@ -20,6 +23,11 @@ pytestmark = pytest.mark.browser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIRST_TRAIN, SECOND_TRAIN = 7, 11  # node ids in workflows/train_lora_demo.json
+PATCH, SETTINGS = 2, 4  # its Patch Attention and Train Settings
+# Set on the page before Run, so that the inference test below can see the LoRA at work: the demo's 1e-4 for the
+# ~15 steps this session trains moves no pixel of the 8-bit image, and its 1x scale would equal 'attention: ignore'
+# (0.8x moved 6 % of the pixels on 0.33.0 and none by more than one level on 0.3.75: too little to be sure of).
+TRAIN_LR, TRAIN_SCALE_MULTIPLIER = 1e-2, 3.0
 LONG_RUN_STEPS = 2000  # far more than the test waits for: only Stop can end it early
 DEMO_LORA = "precision_lora/demo_lora.safetensors"
 
@@ -134,6 +142,8 @@ def _training_run(page, comfy_server) -> dict:
     _drop(page, "train_lora_demo.json")
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
     assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
+    assert page.evaluate(SET_WIDGET, [SETTINGS, "learning_rate", TRAIN_LR]) == TRAIN_LR
+    assert page.evaluate(SET_WIDGET, [PATCH, "scale_value", TRAIN_SCALE_MULTIPLIER]) == TRAIN_SCALE_MULTIPLIER
     fit_view(page)
     page.screenshot("train_01_loaded")
     shown = page.evaluate(SHOWN_PROMPT, FIRST_TRAIN)
@@ -242,13 +252,14 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
     rows = panel["rows"]
     with safe_open(path, "pt") as f:
         md = f.metadata()
-    # what the run trained with (train_lora_demo.json: rank 4, alpha 4, multiplier 1.0 on tiny Flux.1, head_dim 32)
+    # what the run trained with (train_lora_demo.json: rank 4, alpha 4 on tiny Flux.1, head_dim 32; the multiplier
+    # set above)
     assert rows["rank"] == md["ss_network_dim"] == "4"
     assert float(rows["alpha"]) == float(md["ss_network_alpha"]) == 4.0
     assert rows["attention backend"] == md["ss_attn_mode"] == "auto"
     assert rows["base model"] == md["ss_base_model_version"] == "flux1"
-    assert float(rows["softmax scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-3)
-    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / 32 ** 0.5, rel=1e-12)
+    assert float(rows["softmax scale"]) == pytest.approx(TRAIN_SCALE_MULTIPLIER / 32 ** 0.5, rel=1e-3)
+    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(TRAIN_SCALE_MULTIPLIER / 32 ** 0.5, rel=1e-12)
     assert rows["steps"] == (md["ss_steps"] if "ss_steps" in md else "–")
     assert "recorded attention settings are applied" in panel["text"]
     comfy_page.evaluate(FOCUS_NODE, panel["id"])
@@ -260,19 +271,52 @@ def test_loader_shows_metadata_of_the_lora_the_run_wrote(training_run, comfy_pag
     assert comfy_page.pack_errors() == []
 
 
+LOADER = 2  # Load LoRA's node id in workflows/inference_demo.json
+
+
+def _image_of(server, entry: dict) -> np.ndarray:
+    """The one image SaveImage wrote in a finished run, as 8-bit pixels."""
+    (image,) = [img for out in entry["outputs"].values() for img in out.get("images", [])]
+    return np.asarray(Image.open(server.output_path(image["subfolder"], image["filename"])).convert("RGB"))
+
+
+def _changed(a: np.ndarray, b: np.ndarray) -> float:
+    """The share of pixels whose value differs by more than one 8-bit level in some channel."""
+    return float((np.abs(a.astype(int) - b.astype(int)).max(axis=-1) > 1).mean())
+
+
 def test_inference_workflow_runs_from_the_page_on_the_trained_lora(training_run, comfy_page, comfy_server):
-    """Continues from the test above: the inference graph in the page is queued with Run as it stands."""
+    """Continues from the test above: the inference graph in the page is queued with Run as it stands; then
+    the same graph with the loader's strength 0 (the LoRA's weights off, its recorded scale kept) and with
+    attention 'ignore' (the LoRA on, its recorded scale not applied), set on the page's loader as a user does.
+    Each control changes the image: the LoRA and its recorded scale are what the first image shows."""
     entry = _run_from_page(comfy_page, comfy_server)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     assert entry["prompt"][2]  # the prompt the page sent
     classes = {v["class_type"] for v in entry["prompt"][2].values()}
     assert {"PrecisionLoadLoRA", "KSampler", "SaveImage"} <= classes
-    lora = next(v for v in entry["prompt"][2].values() if v["class_type"] == "PrecisionLoadLoRA")
-    assert lora["inputs"]["lora_name"] == DEMO_LORA
-    images = [img for out in entry["outputs"].values() for img in out.get("images", [])]
-    assert images and os.path.isfile(comfy_server.output_path(images[0]["subfolder"], images[0]["filename"]))
+    lora = entry["prompt"][2][str(LOADER)]
+    assert lora["class_type"] == "PrecisionLoadLoRA" and lora["inputs"]["lora_name"] == DEMO_LORA
+    assert (lora["inputs"]["strength"], lora["inputs"]["attention"]) == (1, "apply_recorded")
+    with_lora = _image_of(comfy_server, entry)
+    assert with_lora.shape == (64, 64, 3)
     fit_view(comfy_page)
     comfy_page.screenshot("inference_done")
+    controls = {}
+    for name, changes in {"strength 0": {"strength": 0}, "attention ignore": {"strength": 1, "attention": "ignore"}}.items():
+        for widget, value in changes.items():
+            assert comfy_page.evaluate(SET_WIDGET, [LOADER, widget, value]) == value
+        control = _run_from_page(comfy_page, comfy_server)
+        assert control["status"]["status_str"] == "success", json.dumps(control["status"])[:3000]
+        sent = control["prompt"][2][str(LOADER)]["inputs"]
+        assert all(sent[k] == v for k, v in changes.items()), sent  # the page queued the control
+        controls[name] = _image_of(comfy_server, control)
+    comfy_page.evaluate(SET_WIDGET, [LOADER, "attention", "apply_recorded"])
+    # Pixels moved by more than a rounding step (measured shares: see the commit message). With the loader
+    # ignoring strength or the recorded scale, that share is 0.
+    shares = {name: _changed(with_lora, image) for name, image in controls.items()}
+    assert shares["strength 0"] > 0.5, ("the LoRA's weights changed (almost) nothing", shares)
+    assert shares["attention ignore"] > 0.01, ("the recorded softmax scale changed nothing", shares)
     assert comfy_page.pack_errors() == []
 
 
