@@ -5,10 +5,13 @@ the workflow does), real-architecture CLIP-L and Flux VAE (tests/real_arch.py).
 First Run encodes every image and caption; then another workflow runs and ComfyUI's cache is cleared
 (POST /free, as under RAM pressure); a second training Run with one training setting changed re-executes the
 dataset node, which reports 0 encoded. A second server process started on the same cache folder (a restart)
-reports 0 encoded too.
+reports 0 encoded too. The node's other cache modes: 'rebuild' encodes every item again and rewrites exactly its
+entries; 'off' encodes and writes no file. The last test checks that every input of the node took a
+non-default value in a prompt this module queued (tests/e2e/options_lib.py's coverage, area "dataset").
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -18,6 +21,8 @@ import uuid
 
 import numpy as np
 import pytest
+import safetensors.torch
+import torch
 from PIL import Image
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +31,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import real_arch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from options_lib import AREAS, coverage  # noqa: E402
+
 FOLDER = "dataset_cache_e2e"
+SENT: list[dict] = []  # every prompt this module queued and ComfyUI accepted (for the coverage test)
+
+
+def _run(server, prompt: dict) -> dict:
+    entry = server.run(prompt, timeout=900)
+    SENT.append(copy.deepcopy(prompt))
+    return entry
 
 
 def _of(prompt: dict, class_type: str) -> str:
@@ -42,7 +57,13 @@ def base(comfy_server):
 
     subprocess.run([sys.executable, os.path.join(ROOT, "tests", "real_arch.py"), comfy_server.base_dir], check=True,
                    env=server_env(), timeout=600)
-    folder = os.path.join(comfy_server.base_dir, "input", FOLDER)
+    write_dataset(comfy_server.base_dir, FOLDER)
+    return comfy_server.base_dir
+
+
+def write_dataset(base: str, name: str) -> None:
+    """3 captioned images in ``input/<name>`` whose pixels and captions are new to this session."""
+    folder = os.path.join(base, "input", name)
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     token = uuid.uuid4().hex[:8]
@@ -51,26 +72,25 @@ def base(comfy_server):
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(os.path.join(folder, f"img{i}.png"))
         with open(os.path.join(folder, f"img{i}.txt"), "w") as f:
             f.write(f"a photo of sks {token}, item {i}")
-    return comfy_server.base_dir
 
 
-def training_prompt(steps: int) -> tuple[dict, str]:
+def training_prompt(steps: int, folder: str = FOLDER, cache: str = "use") -> tuple[dict, str]:
     """train_lora.json (API twin) with real_arch's names picked and the cache node in Make Training
     Dataset's place (same id, same inputs; kept if the workflow already has it), the dataset folder of this
     module; returns the prompt and the dataset node's id."""
     with open(os.path.join(ROOT, "workflows", "api", "train_lora.json")) as f:
         prompt, _ = real_arch.swap_names(json.load(f))
     (data,) = [k for k, v in prompt.items() if v["class_type"] in ("MakeTrainingDataset", "PrecisionCachedTrainingDataset")]
-    prompt[data] = {"class_type": "PrecisionCachedTrainingDataset", "inputs": {**prompt[data]["inputs"], "cache": "use"}}
-    prompt[prompt[data]["inputs"]["images"][0]]["inputs"]["folder"] = FOLDER
+    prompt[data] = {"class_type": "PrecisionCachedTrainingDataset", "inputs": {**prompt[data]["inputs"], "cache": cache}}
+    prompt[prompt[data]["inputs"]["images"][0]]["inputs"]["folder"] = folder
     prompt[_of(prompt, "PrecisionTrainLoRA")]["inputs"]["steps"] = steps
     return prompt, data
 
 
-def dataset_prompt() -> tuple[dict, str]:
+def dataset_prompt(folder: str = FOLDER, cache: str = "use") -> tuple[dict, str]:
     """Only the dataset branch of ``training_prompt`` (the cache node is an output node: it runs alone, e.g.
     to encode a dataset ahead of training)."""
-    prompt, data = training_prompt(steps=2)
+    prompt, data = training_prompt(steps=2, folder=folder, cache=cache)
     keep, todo = set(), [data]
     while todo:
         nid = todo.pop()
@@ -88,17 +108,17 @@ def _report(entry: dict, node: str) -> str:
 
 def test_second_training_run_after_another_workflow_encodes_nothing(server, base):
     prompt, data = training_prompt(steps=2)
-    first = _report(server.run(prompt, timeout=900), data)
+    first = _report(_run(server, prompt), data)
     assert first.startswith("3 images (3 distinct): 3 encoded, 0 from cache; 3 captions (3 distinct): 3 encoded, "
                             "0 from cache; cache " + os.path.join(base, "cache", "precision_lora", "dataset")), first
     assert len(os.listdir(os.path.join(base, "cache", "precision_lora", "dataset", "text"))) >= 3
     other = {"1": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 1, "color": 0}},
              "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
-    server.run(other)
+    _run(server, other)
     status, _ = server.request("/free", {"free_memory": True})  # ComfyUI drops every cached output
     assert status == 200
     prompt, data = training_prompt(steps=3)  # one training setting changed, as a user retrains
-    second = _report(server.run(prompt, timeout=900), data)
+    second = _report(_run(server, prompt), data)
     assert second.startswith("3 images (3 distinct): 0 encoded, 3 from cache; 3 captions (3 distinct): 0 encoded, "
                              "3 from cache;"), second
 
@@ -111,7 +131,7 @@ def test_a_restarted_server_reads_the_same_cache(server, base, tmp_path):
     prompt, data = dataset_prompt()
     assert len(prompt) == 4 and {"PrecisionCachedTrainingDataset", "VAELoader", "CLIPLoader"} <= {
         v["class_type"] for v in prompt.values()}  # and the image folder loader
-    server.run(prompt, timeout=900)  # fills the cache if the test above did not run
+    _run(server, prompt)  # fills the cache if the test above did not run
     other = str(tmp_path / "restarted")
     os.makedirs(os.path.join(other, "models"))
     for sub in ("vae", "text_encoders", "diffusion_models"):
@@ -126,3 +146,58 @@ def test_a_restarted_server_reads_the_same_cache(server, base, tmp_path):
         restarted.stop()
     assert text.startswith("3 images (3 distinct): 0 encoded, 3 from cache; 3 captions (3 distinct): 0 encoded, "
                            "3 from cache; cache " + os.path.join(other, "cache", "precision_lora", "dataset")), text
+
+
+def _entries(base: str) -> dict[str, int]:
+    """{path under the cache folder: modification time in ns} of every file in the dataset cache."""
+    root = os.path.join(base, "cache", "precision_lora", "dataset")
+    return {os.path.relpath(os.path.join(d, f), root): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, files in os.walk(root) for f in files}
+
+
+def test_rebuild_encodes_everything_again_and_rewrites_exactly_its_entries(server, base):
+    write_dataset(base, "dataset_cache_rebuild")
+    prompt, data = dataset_prompt("dataset_cache_rebuild")
+    before = _entries(base)
+    first = _report(_run(server, prompt), data)  # cache 'use': encodes the new items and stores them
+    assert first.startswith("3 images (3 distinct): 3 encoded, 0 from cache; 3 captions (3 distinct): 3 encoded"), first
+    stored = _entries(base)
+    new = sorted(set(stored) - set(before))
+    assert len(new) == 6 and {p.split(os.sep)[0] for p in new} == {"latents", "text"}, new  # 3 latents, 3 captions
+    root = os.path.join(base, "cache", "precision_lora", "dataset")
+    contents = {p: safetensors.torch.load_file(os.path.join(root, p)) for p in new}
+    prompt, data = dataset_prompt("dataset_cache_rebuild", cache="rebuild")
+    rebuilt = _report(_run(server, prompt), data)
+    assert rebuilt.startswith("3 images (3 distinct): 3 encoded, 0 from cache; 3 captions (3 distinct): 3 encoded, "
+                              "0 from cache; cache " + os.path.join(base, "cache", "precision_lora", "dataset")), rebuilt
+    after = _entries(base)
+    assert after.keys() == stored.keys(), sorted(set(after) ^ set(stored))  # the same keys: no new entry
+    assert sorted(p for p in after if after[p] != stored[p]) == new  # each of its entries written again, no other
+    for p in new:  # the same encoders and items: the same values (CPU encodes differ in the last bits run to run)
+        again = safetensors.torch.load_file(os.path.join(root, p))
+        assert again.keys() == contents[p].keys(), p
+        for k, t in again.items():
+            torch.testing.assert_close(t, contents[p][k], rtol=1e-4, atol=1e-5, msg=lambda m, p=p: f"{p}: {m}")
+
+
+def test_cache_off_encodes_and_writes_no_file(server, base):
+    write_dataset(base, "dataset_cache_off")
+    prompt, data = dataset_prompt("dataset_cache_off", cache="off")
+    before = _entries(base)
+    text = _report(_run(server, prompt), data)
+    assert text.startswith("3 images (3 distinct): 3 encoded, 0 from cache; 3 captions (3 distinct): 3 encoded, "
+                           "0 from cache; cache off"), text
+    assert _entries(base) == before  # no file added or rewritten
+
+
+def test_every_input_of_the_cache_node_went_through_the_server(server):
+    """Runs last: every input of Cached Training Dataset took a non-default value (sockets connected, each
+    cache mode) in a prompt queued above. Its one widget, the ``cache`` combo, is sent literally: no stock node
+    outputs a COMBO that could carry its options (checked here, so a host that adds one fails this; 0.33's
+    GetVideoComponents outputs a video's color space)."""
+    info = server.object_info()
+    missing, unlinked = coverage(info, AREAS["dataset"], SENT)
+    assert missing == [], missing
+    assert unlinked == ["PrecisionCachedTrainingDataset.cache"], unlinked
+    combo_out = sorted(k for k, v in info.items() for t in v.get("output", []) if t == "COMBO" or isinstance(t, list))
+    assert set(combo_out) <= {"GetVideoComponents"}, combo_out
