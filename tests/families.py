@@ -56,6 +56,11 @@ TINY: dict[str, dict] = {
                   "axes_dims_rope": (8, 12, 12)},
     "Lumina2": {"in_channels": 16, "dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16,
                 "cap_feat_dim": 64, "axes_dims": (8, 12, 12)},
+    # Z-Image's modulation is 256 wide, so its width is at least 256
+    "ZImage": {"in_channels": 16, "dim": 256, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+               "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (32, 48, 48), "z_image_modulation": True},
+    "MageFlow": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
+                 "axes_dims_rope": (8, 12, 12)},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }

@@ -7,8 +7,9 @@ attention calls that pass ``transformer_options``. Two kinds of call do not (Com
   (``comfy.ldm.pixart``), HunyuanDiT (``comfy.ldm.hydit``, its pooler included), ErnieImage
   (``comfy.ldm.ernie``);
 - ``torch.nn.functional.scaled_dot_product_attention`` called directly (or through
-  ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``), Anima's LLM adapter
-  (``comfy.ldm.anima``).
+  ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``). Anima's LLM adapter calls it
+  too, but from ``Anima.extra_conds`` (while ComfyUI prepares the conditioning, outside ``apply_model``),
+  where this wrapper does not act: its calls keep the model's own attention (docs/anima.md).
 
 ``reach_wrapper`` is a ComfyUI ``apply_model`` wrapper (``WrappersMP.APPLY_MODEL``) that
 ``patch_attention`` adds to the patched clone's transformer_options only. For the duration of that model's forward it:

@@ -227,7 +227,9 @@ def test_scale_reaches_every_dit_attention_call_and_not_the_adapter(ours, mods, 
     monkeypatch.setattr(anima_model, "F", spy)
     hook = dm.llm_adapter.register_forward_hook(lambda m, args, out: adapter_out.append(out.detach().clone()))
     try:
-        with reference_forward(multiplier=2.0) as ref:
+        # the adapter's direct SDPA calls keep their own scale in the reference too (they run in extra_conds,
+        # outside apply_model, where nodes/attention/reach.py does not act)
+        with reference_forward(multiplier=2.0, direct_sdpa=False) as ref:
             expected = denoise(model)
         runs = len(adapter_out)
         patched = mods.aglue.patch_attention(model, mods.AttentionConfig(backend="sdpa", scale_mode="multiplier",

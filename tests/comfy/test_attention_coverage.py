@@ -69,7 +69,7 @@ class ReferenceAttention:
 
 
 @contextmanager
-def reference_forward(multiplier: float = 1.0):
+def reference_forward(multiplier: float = 1.0, direct_sdpa: bool = True):
     """Within the block every ComfyUI attention call site computes the reference; yields the counter."""
     targets = _attention_functions()
     ref = ReferenceAttention(multiplier)
@@ -83,15 +83,16 @@ def reference_forward(multiplier: float = 1.0):
                 setattr(module, attr, ref)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def direct_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+    def reference_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
         """Direct SDPA calls (Mochi, Anima's adapter): every ComfyUI function above computes without SDPA."""
         assert not is_causal and not dropout_p and not kwargs.get("enable_gqa")
         ref.calls += 1
         s = multiplier * (scale or 1 / math.sqrt(q.shape[-1]))
         return reference_attention(q.float(), k.float(), v.float(), scale=s, mask=attn_mask).to(q.dtype)
 
-    saved.append((torch.nn.functional, "scaled_dot_product_attention", sdpa))
-    torch.nn.functional.scaled_dot_product_attention = direct_sdpa
+    if direct_sdpa:
+        saved.append((torch.nn.functional, "scaled_dot_product_attention", sdpa))
+        torch.nn.functional.scaled_dot_product_attention = reference_sdpa
     try:
         yield ref
     finally:
@@ -259,3 +260,4 @@ def test_shims_are_restored_when_the_forward_raises(glue, pack_module, Attention
     import comfy.ldm.pixart.blocks as blocks
 
     assert not isinstance(blocks.optimized_attention, reach._OptionsShim)
+

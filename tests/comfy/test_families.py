@@ -42,6 +42,16 @@ def _plan_counts(pack_module, model, name: str) -> list[str]:
     glue = pack_module("nodes.lora.glue")
     linears, family = glue.linear_layers(model), glue.model_family(model)
     cells = [targets.preset_family(family)]
+    # Derived from ComfyUI's classes, not from paths: every Linear held directly by a module whose class
+    # ComfyUI names an attention module is in the default preset (CogVideoX has no such class: its blocks
+    # hold q/k/v/attn_out themselves, lora/presets.py's cogvideox table). AttentionPool modules (Mochi's and
+    # HunyuanDiT's text pooling, once per forward) are not the blocks' attention: presets leave them out.
+    attention_owned = {f"{owner}.{child}" if owner else child
+                       for owner, module in model.model.diffusion_model.named_modules()
+                       if re.search(r"Attention|Attn", type(module).__name__) and "Pool" not in type(module).__name__
+                       for child, sub in module.named_children() if isinstance(sub, torch.nn.Linear)}
+    missing = attention_owned - set(targets.select_targets(linears, family, "attention"))
+    assert not missing, f"{name}: the attention preset misses {sorted(missing)[:5]}"
     for preset in ("attention", "attention_mlp", "community", "all"):
         cells.append(str(len(targets.select_targets(linears, family, preset, rank=RANK))))
     narrow = targets.plan_targets(linears, family, "all", rank=16).narrow
