@@ -94,18 +94,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_weight_dtypes_load_and_sample(opts):
     g = Graph()
     nodes = {}
-    for dtype in ("fp32", "bf16", "fp16", "fp8_e4m3fn", "default"):
+    for dtype in ("fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2", "default"):
         loader = g.add("PrecisionLoadDiffusionModel", model_name=FLUX, weight_dtype=dtype)
         nodes[dtype] = (g.add("PreviewAny", source=out(loader, 1)), sample(g, out(loader), loader, dtype))
     entry = opts.run(g)
-    named = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3fn": "float8_e4m3fn"}
+    named = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8_e4m3fn": "float8_e4m3fn",
+             "fp8_e5m2": "float8_e5m2"}
     for dtype, word in named.items():
         assert f"weight dtype: {word}" in opts.text(entry, nodes[dtype][0]), dtype
     latents = {k: opts.latent(entry, v[1]) for k, v in nodes.items()}
     ref = latents["fp32"]
     assert torch.equal(latents["default"], ref)  # a CPU host: ComfyUI's default is fp32
-    for dtype, (lo, hi) in {"bf16": (1e-6, 0.05), "fp16": (1e-7, 0.01), "fp8_e4m3fn": (1e-4, 0.5)}.items():
+    for dtype, (lo, hi) in {"bf16": (1e-6, 0.05), "fp16": (1e-7, 0.01), "fp8_e4m3fn": (1e-4, 0.5),
+                            "fp8_e5m2": (1e-4, 0.8)}.items():
         assert lo < rel(latents[dtype], ref) < hi, (dtype, rel(latents[dtype], ref))
+    # e5m2 keeps 2 mantissa bits to e4m3fn's 3: its weights, so its sample, are further from fp32
+    assert rel(latents["fp8_e5m2"], ref) > rel(latents["fp8_e4m3fn"], ref)
 
 
 def _attach_save(g: Graph, loader: str, key: str, **attach) -> tuple[str, str]:
@@ -122,7 +126,7 @@ def test_attach_options_shape_the_saved_lora(opts):
         "base": {}, "seed": {"seed": 7},
         "rs": {"rank": 8, "alpha": 2.0, "rslora": True, "param_dtype": "bf16", "fp32_accumulation": False,
                "dropout": 0.1, "rank_dropout": 0.2, "module_dropout": 0.3},
-        "mlp": {"targets": "attention_mlp"}, "all": {"targets": "all"},
+        "mlp": {"targets": "attention_mlp"}, "all": {"targets": "all"}, "community": {"targets": "community"},
         "cosmos_attention": {}, "cosmos_self": {"targets": "self_attention"},
         "include": {"targets": "none", "include": r"double_blocks\.0\.img_attn\.qkv"},
         "exclude": {"exclude": "img_attn"}, "blocks": {"blocks": "double_blocks:1, single_blocks:0"},
@@ -151,6 +155,7 @@ def test_attach_options_shape_the_saved_lora(opts):
     assert (args["dropout"], args["rank_dropout"], args["module_dropout"]) == (0.1, 0.2, 0.3)
     assert files["rs"][2]["ss_lora_fp32_accumulation"] == "False"
     assert mods["base"] < mods["mlp"] < mods["all"]
+    assert mods["community"] == mods["all"]  # Flux's community preset (musubi-tuner's): every block Linear
     assert mods["cosmos_self"] < mods["cosmos_attention"] and all(".self_attn." in m for m in mods["cosmos_self"])
     assert [m.split(".", 1)[1] for m in mods["include"]] == ["double_blocks.0.img_attn.qkv"]
     assert mods["exclude"] == {m for m in mods["base"] if "img_attn" not in m} != mods["base"]
