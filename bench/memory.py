@@ -12,7 +12,8 @@ memory shape of flash/cuDNN attention on a GPU.
 What the tracker cannot see is added on its own lines (``overhead_gib``): the CUDA context, cuBLAS and
 attention workspaces, and a fragmentation margin; attention FLOPs (the CPU flash op has no FLOP formula)
 are counted from the calls. Block swap (``--swap-blocks N``) is modelled, not run: the resident weights
-minus N swapped blocks plus two ring slots of the largest block (the executor is future work, #29 item 3).
+minus N swapped blocks plus two ring slots of the largest block, as ``training.swap`` streams them (at most
+every block but the last, which is not checkpointed).
 ``--budget GIB`` picks the cheapest plan that fits (``training.memory_plan``: no checkpointing, then
 checkpointing, then swapping more blocks). ``--device cuda`` (on a GPU machine) also runs the step for real
 with random weights at the real size and sets ``torch.cuda.max_memory_allocated`` beside the estimate.
@@ -189,8 +190,10 @@ def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: 
 
 
 def _block_bytes(dm: Any, grad: Any, tglue: Any) -> list[int]:
-    """Weight bytes of each block the pack would checkpoint/swap, in execution order."""
-    return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in grad.find_block_lists(dm, tglue.BLOCK_LISTS)]
+    """Weight bytes of each block the pack would checkpoint/swap, in execution order: every block but the last
+    (the training session checkpoints ``[:-1]``, and ``swap_blocks`` streams checkpointed blocks only)."""
+    blocks = grad.find_block_lists(dm, tglue.BLOCK_LISTS)[:-1]
+    return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
 
 
 BASES = {"bf16": ("bfloat16", None), "fp8": ("float8_e4m3fn", "bfloat16")}

@@ -55,7 +55,7 @@ class Plan:
     overhead_gib: float
 
     def describe(self) -> str:
-        """"checkpointing, 14 of 57 blocks swapped" (the words the reports use)."""
+        """"checkpointing, 14 of 56 blocks swapped" (the words the reports use)."""
         text = "checkpointing" if self.checkpointing else "no checkpointing"
         return text + (f", {self.swap_blocks} of {self.blocks} blocks swapped" if self.swap_blocks else "")
 
