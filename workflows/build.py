@@ -201,9 +201,10 @@ def train_spec() -> dict:
             _node(2, "PrecisionPatchAttention", [0, 150], {
                 "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
                 "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            # Attach LoRA is ~520 px tall with its adapter inputs, Train Settings ~880 px with EMA and swap.
             _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 4, "alpha": 4.0, "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 450]),
-            _node(4, "PrecisionTrainSettings", [380, 490], {}, size=[340, 690]),
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {}, size=[340, 850]),
             _node(5, "PrecisionDemoLatent", [0, 450], {"width": 64, "height": 64, "batch_size": 2, "seed": 0},
                   control={"seed": "fixed"}, size=[340, 160]),
             _node(6, "PrecisionDemoConditioning", [0, 650], {"text": "a photo of sks", "seed": 0, "tokens": 8},
@@ -240,8 +241,8 @@ def real_train_spec() -> dict:
                 "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
                 "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
             _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 450]),
-            _node(4, "PrecisionTrainSettings", [380, 490], {"checkpoint_every": 250}, size=[340, 690]),
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {"checkpoint_every": 250}, size=[340, 850]),
             _node(5, "DualCLIPLoader", [0, 450], {"clip_name1": REAL_CLIP_L, "clip_name2": REAL_T5, "type": "flux"},
                   size=[340, 130]),
             _node(6, "VAELoader", [0, 620], {"vae_name": REAL_VAE}, size=[340, 60]),
