@@ -331,7 +331,9 @@ def _normal(shape: tuple[int, int], std: float, gen: torch.Generator | None, ini
     return t
 
 
-ADAPTERS: dict[str, type[nn.Module]] = {"lora": LoRAAdapter, "lokr": LoKrAdapter, "loha": LoHaAdapter, "dora": DoRAAdapter}
+# locon: LoRA on the Linear layers (its Conv2d adapters, lora.locon.LoConAdapter, are built by LoRASet)
+ADAPTERS: dict[str, type[nn.Module]] = {"lora": LoRAAdapter, "lokr": LoKrAdapter, "loha": LoHaAdapter, "dora": DoRAAdapter,
+                                        "locon": LoRAAdapter}
 
 
 def make_adapter(n_in: int, n_out: int, config: LoRAConfig, *, rng: DropoutRNG, init_generator: torch.Generator,

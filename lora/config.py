@@ -15,7 +15,7 @@ from . import targets as _targets
 PARAM_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_RANK = 1024
 # Adapter kinds; the classes are in lora.adapters (ADAPTERS), named here so config.py needs no layer module
-ADAPTER_KINDS = ("lora", "lokr", "loha", "dora")
+ADAPTER_KINDS = ("lora", "lokr", "loha", "dora", "locon")  # locon: lora.locon on the Conv2d layers too
 MAX_LOKR_FACTOR = 256
 
 

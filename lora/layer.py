@@ -12,6 +12,7 @@ from torch import nn
 
 from .adapters import make_adapter
 from .config import LoRAConfig
+from .locon import LoConAdapter, conv_width
 from .lowrank import DropoutRNG, LoRAAdapter, lora_linear
 
 __all__ = ["DropoutRNG", "LoRAAdapter", "LoRASet", "lora_linear"]
@@ -27,6 +28,7 @@ class LoRASet(nn.Module):
     ``shapes`` maps each path to (in_features, out_features). Parameter init is deterministic in
     ``config.seed`` (paths in sorted order). ``train()`` / ``eval()`` switch the dropouts. The adapter kind is
     ``config.adapter`` (``lora.adapters``); DoRA needs ``weights`` (path -> base weight) for its magnitude.
+    A Conv2d's path maps to (in, out, kh, kw) and gets a LoCon adapter (``lora.locon``, adapter 'locon').
     ``adapters``: ready-made adapters (path -> module, e.g. from a file) instead of new ones.
     """
 
@@ -47,15 +49,19 @@ class LoRASet(nn.Module):
                 self.layers[_module_key(path)] = adapters[path]
                 self._paths[path] = _module_key(path)
                 continue
-            n_in, n_out = shapes[path]
-            if config.adapter != "lokr" and config.rank > min(n_in, n_out):
+            n_in, n_out, *kernel = shapes[path]  # (in, out), or (in, out, kh, kw) for a Conv2d (adapter 'locon')
+            if config.adapter != "lokr" and config.rank > conv_width(shapes[path]):
                 raise ValueError(
                     f"[Precision LoRA] LoRA rank={config.rank} exceeds the width of '{path}' ({n_out}x{n_in}): "
-                    f"use rank <= {min(n_in, n_out)} or exclude that module"
+                    f"use rank <= {conv_width(shapes[path])} or exclude that module"
                 )
             base = None if weights is None else weights.get(path)
-            self.layers[_module_key(path)] = make_adapter(n_in, n_out, config, rng=self.rng, init_generator=gen,
-                                                          init=init, base_weight=base)
+            if kernel:
+                self.layers[_module_key(path)] = LoConAdapter(n_in, n_out, (kernel[0], kernel[1]), config, rng=self.rng,
+                                                              init_generator=gen, init=init)
+            else:
+                self.layers[_module_key(path)] = make_adapter(n_in, n_out, config, rng=self.rng, init_generator=gen,
+                                                              init=init, base_weight=base)
             self._paths[path] = _module_key(path)
         self.train(False)
 
@@ -69,7 +75,7 @@ class LoRASet(nn.Module):
     def copy(self) -> LoRASet:
         """An independent set with the same config, values (dtype and device), dropout RNG state and ``info``;
         ``train()`` mode and multipliers are the defaults. Call outside inference mode to train the copy."""
-        shapes = {p: (a.in_features, a.out_features) for p, a in self.adapters().items()}
+        shapes = {p: getattr(a, "layer_shape", (a.in_features, a.out_features)) for p, a in self.adapters().items()}
         new = LoRASet(self.config, shapes, init=False)
         first = next(self.parameters())
         new.to(first.device)

@@ -149,7 +149,7 @@ def state_lora_mismatch(state: TrainingState, file_tensors: Mapping[str, torch.T
         return f"the state holds {len(state.lora)} LoRA tensors, the LoRA file {len(factors)} factors"
     dtype = factors[0].dtype
     ours = collections.Counter(_digest(v.detach().float().to(dtype)) for v in state.lora.values())
-    theirs = collections.Counter(_digest(t) for t in factors)
+    theirs = collections.Counter(_digest(t.flatten(1) if t.dim() > 2 else t) for t in factors)  # LoCon: flat in the state
     if ours != theirs:
         differ = sum((ours - theirs).values())
         return f"their LoRA values differ ({differ} of {len(factors)} tensors)"

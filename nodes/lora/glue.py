@@ -9,6 +9,7 @@ the fp32 LoRA parameters.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ import torch
 
 from ...lora.config import LoRAConfig
 from ...lora.layer import LoRAAdapter, LoRASet, lora_linear
+from ...lora.locon import ConvGeometry, LoConAdapter, lora_conv2d
 from ...lora.file import LoRAFactors, default_key_style, lora_metadata, read_lora_file
 from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
@@ -27,7 +29,7 @@ from ...lora.adapter_files import is_adapter_file
 from ..checks.file_names import inside, name_problem
 from ..host.quantized import check_layer, is_linear, layer_weight
 from ..model.info import ModelInfo, describe_model
-from . import adapter_glue
+from . import adapter_glue, conv_glue
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,10 @@ class LoRAForward:
         if torch.is_grad_enabled() and weight.is_inference():
             weight = weight.clone()  # autograd cannot save inference tensors (weights loaded inside a node)
             bias = None if bias is None else bias.clone()
-        out = lora_linear(x, weight, bias, self.adapters)
+        if isinstance(m, torch.nn.Conv2d):  # adapter 'locon' (lora.locon)
+            out = lora_conv2d(x, weight, bias, ConvGeometry(m.stride, m.padding, m.dilation, m.groups), self.adapters)
+        else:
+            out = lora_linear(x, weight, bias, self.adapters)
         release()
         return out
 
@@ -71,8 +76,11 @@ def model_family(model) -> str:
 
 def target_plan(model, cfg: LoRAConfig) -> TargetPlan:
     """What ``cfg`` selects in this model, and the preset's matches left out as narrower than the rank."""
-    return _plan_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks,
+    plan = _plan_targets(linear_layers(model), model_family(model), cfg.targets, cfg.include, cfg.exclude, cfg.blocks,
                          rank=cfg.rank)
+    if cfg.adapter != "locon":
+        return plan
+    return dataclasses.replace(plan, chosen={**plan.chosen, **conv_glue.locon_convs(model, cfg, model_family(model))})
 
 
 def plan_targets(model, cfg: LoRAConfig) -> dict[str, tuple[int, int]]:
@@ -95,7 +103,8 @@ def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KE
     dm = model.model.diffusion_model
     modules = dict(dm.named_modules())
     for path, adapter in lora_set.adapters().items():
-        if path not in modules or not is_linear(modules[path]):
+        conv = isinstance(adapter, LoConAdapter) and isinstance(modules.get(path), torch.nn.Conv2d)
+        if path not in modules or not (conv or is_linear(modules[path])):
             raise ValueError(f"[Precision LoRA] LoRA module '{path}' is not a linear layer of this model")
         check_layer(modules[path], path)
         key = f"{_PREFIX}{path}.forward"
@@ -121,7 +130,9 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
     what = f"PrecisionAttachLoRA: init_lora '{init_file}'"
     if init_file:
         tensors, _md = read_lora_file(init_file)
-        if adapter_glue.uses_adapter_files(cfg, tensors):
+        if cfg.adapter == "locon":
+            factors = _locon_init(model, tensors, cfg.rank, what)
+        elif adapter_glue.uses_adapter_files(cfg, tensors):
             parsed = adapter_glue.init_adapters(tensors, linear_layers(model), cfg, shapes, what)
         else:
             factors = parse_lora(tensors, linear_layers(model), name=f"init LoRA '{init_file}'")
@@ -135,6 +146,14 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
     log.info("[Precision LoRA] attached rank-%d %s to %d modules (%d parameters, fp32_accumulation=%s)",
              cfg.rank, cfg.adapter, len(shapes), lora_set.num_parameters(), cfg.fp32_accumulation)
     return install(model, lora_set)
+
+
+def _locon_init(model, tensors: Mapping[str, torch.Tensor], rank: int, what: str) -> dict[str, LoRAFactors]:
+    """init_lora for adapter 'locon': the file's Conv2d modules (flat factors) and its Linear modules."""
+    factors, rest = conv_glue.split_conv_factors(tensors, conv_glue.conv_layers(model), what)
+    if rest:
+        factors |= parse_lora(rest, linear_layers(model), name=what)
+    return fit_rank(factors, rank, what)
 
 
 def lora_set_from_factors(factors: Mapping[str, LoRAFactors], cfg: LoRAConfig, strength: float,
@@ -202,6 +221,14 @@ def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, 
     """Clone with the file's factors as unmerged adapters on the fp32 path (one frozen LoRASet per rank; a
     LoKr / LoHa / DoRA file: one frozen set of its adapters)."""
     loaded = list(model.get_attachment(LOADED_KEY) or ())
+    convs = conv_glue.conv_layers(model)
+    factors, tensors = conv_glue.split_conv_factors(tensors, convs, name) if convs else ({}, tensors)
+    for lora_set in conv_glue.frozen_conv_sets(factors, convs, strength, model.load_device):  # LoCon modules
+        model = install(model, lora_set, attachment_key=None)
+        loaded.append(lora_set)
+    if factors and not tensors:
+        model.set_attachments(LOADED_KEY, tuple(loaded))
+        return model
     if is_adapter_file(tensors):
         lora_set = adapter_glue.frozen_adapter_set(tensors, linear_layers(model), strength, name, model.load_device)
         patched = install(model, lora_set, attachment_key=None)

@@ -73,7 +73,8 @@ class PrecisionAttachLoRA(PrecisionNode):
                 io.Combo.Input("adapter", options=list(ADAPTER_KINDS), default=DEFAULTS.adapter, optional=True,
                                tooltip="lora: low-rank pair. lokr: Kronecker product (few parameters; lokr_factor). loha: "
                                        "Hadamard product of two low-rank pairs (rank up to rank^2). dora: LoRA plus a "
-                                       "per-column magnitude. All keep the fp32 accumulation and save in stock ComfyUI keys."),
+                                       "per-column magnitude. locon: LoRA on the Linear layers plus the res-block Conv2d layers of a UNet "
+                                       "(SD1.x / SDXL; docs/lora.md). All keep the fp32 accumulation and save in stock ComfyUI keys."),
                 io.Int.Input("lokr_factor", default=DEFAULTS.lokr_factor, min=-1, max=MAX_LOKR_FACTOR, step=1, optional=True,
                              tooltip="LoKr only: the small Kronecker factor's side (a divisor of the layer's width at most "
                                      "this); -1 = as square as possible. 0 is invalid."),
@@ -108,7 +109,7 @@ class PrecisionAttachLoRA(PrecisionNode):
         except ValueError as e:
             raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
         plan = target_plan.chosen
-        listing = "\n".join([f"{p}  ({i} -> {o})" for p, (i, o) in plan.items()] + target_plan.report_lines())
+        listing = "\n".join([f"{p}  ({i} -> {o})" for p, (i, o, *_k) in plan.items()] + target_plan.report_lines())
         if dry_run:
             return io.NodeOutput(model, f"dry run: {len(plan)} layers\n{listing}")
         init = None if init_lora == NONE else folder_paths.get_full_path_or_raise("loras", init_lora)

@@ -347,6 +347,20 @@ def test_attach_adapter_kinds_continue_save_and_sample_like_stock(opts):
         assert args.get("factor") == (4 if kind == "lokr" else None)
 
 
+def test_attach_adapter_locon_is_refused_on_a_model_without_res_block_convs(opts):
+    """adapter=locon (LoRA plus the UNet's res-block Conv2d layers, tests/comfy/test_locon.py on a tiny SDXL) on
+    the tiny Flux.1, which has no Conv2d: the prompt fails at Attach LoRA naming the input, its value and the fix,
+    and nothing is saved."""
+    g, loader = base_graph()
+    node = g.add("PrecisionAttachLoRA", model=out(loader), **{**ATTACH, "adapter": "locon"})
+    g.add("PrecisionSaveLoRA", model=out(node), filename_prefix="options/adapter_locon", **SAVE)
+    message = opts.failure(g)
+    assert re.search(r"PrecisionAttachLoRA: input 'adapter'='locon' adds LoRA to a UNet's Conv2d layers, but this "
+                     r"\S+ model has no res-block Conv2d layer: use adapter 'lora'", message), message
+    folder = opts.path("models", "loras", "options")
+    assert not any(n.startswith("adapter_locon") for n in (os.listdir(folder) if os.path.isdir(folder) else ()))
+
+
 def test_every_lora_option_went_through_the_server(opts):
     """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and every
     option of the pack's own option lists was sent (but kernels this host does not have)."""

@@ -164,7 +164,7 @@ def test_copy_keeps_values_and_dora_needs_the_base_weight():
 
 
 def test_config_errors_name_field_value_and_fix():
-    with pytest.raises(ValueError, match=r"adapter='oft' is unknown: use one of \['lora', 'lokr', 'loha', 'dora'\]"):
+    with pytest.raises(ValueError, match=r"adapter='oft' is unknown: use one of \['lora', 'lokr', 'loha', 'dora', 'locon'\]"):
         LoRAConfig(adapter="oft")
     with pytest.raises(ValueError, match=r"lokr_factor=0 is invalid: use -1"):
         LoRAConfig(adapter="lokr", lokr_factor=0)
