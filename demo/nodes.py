@@ -26,6 +26,8 @@ def conditioning_shape(model) -> tuple[int, int | None]:
         return int(cfg.get("context_in_dim", 4096)), cfg.get("vec_in_dim")
     if cfg.get("image_model") == "cosmos_predict2":
         return int(cfg.get("crossattn_emb_channels", 1024)), None
+    if type(model.model).__name__ == "SDXL":  # its label input (adm) is built from CLIP-G's pooled output
+        return int(cfg["context_dim"]), 1280
     width = cfg.get("context_dim") or cfg.get("text_emb_dim") or cfg.get("crossattn_emb_channels")
     if not width:
         raise ValueError(f"[Precision LoRA] PrecisionDemoConditioning: no known context width for "

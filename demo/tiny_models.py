@@ -20,7 +20,7 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ..nodes.host.comfy_compat import comfyui_version, fit_flux_config, set_reload
-from ..nodes.model.load import UNET_CONFIG_KEY, build_model_from_config
+from ..nodes.model.load import MODEL_CLASS_KEY, UNET_CONFIG_KEY, build_model_from_config
 
 
 _FLUX_COMMON = {
@@ -44,6 +44,16 @@ TINY_UNET_CONFIGS["flux1_stock"] = {
     **TINY_UNET_CONFIGS["flux1_dev"], "hidden_size": 3072, "num_heads": 24, "axes_dim": [16, 56, 56],
     "context_in_dim": 4096, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 0,
 }
+# SDXL's layout (linear transformers, the 2816-wide label embedding, ResBlocks, down/upsamplers), 32 channels wide:
+# ComfyUI's SDXL class, named in the file's metadata (MODEL_CLASS_KEY): detection matches full-size SDXL only
+TINY_UNET_CONFIGS["sdxl"] = {
+    "use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True, "legacy": False,
+    "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4, "model_channels": 32,
+    "num_res_blocks": [1, 1], "transformer_depth": [0, 1], "channel_mult": [1, 2], "transformer_depth_middle": 1,
+    "use_linear_in_transformer": True, "context_dim": 64, "num_head_channels": 16,
+    "transformer_depth_output": [0, 0, 1, 1], "use_temporal_attention": False, "use_temporal_resblock": False,
+}
+MODEL_CLASSES = {"sdxl": "SDXL"}
 STOCK_DETECTABLE = ("cosmos", "anima", "flux1_stock")  # files of these need no config in their metadata
 COSMOS_CHANNELS = 192
 COSMOS_BLOCKS = 10
@@ -97,6 +107,8 @@ def unet_config_for(family: str) -> dict:
         return anima_unet_config()
     if family not in TINY_UNET_CONFIGS:
         raise ValueError(f"[Precision LoRA] unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+    if family in MODEL_CLASSES:
+        return dict(TINY_UNET_CONFIGS[family])
     return fit_flux_config(TINY_UNET_CONFIGS[family])
 
 
@@ -121,11 +133,12 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
     ``unet_config`` replaces the family's tiny config (e.g. ``cosmos_width_config``)."""
     config = unet_config or unet_config_for(family)
     with torch.inference_mode(False):
-        patcher = build_model_from_config(config, None, torch.float32)
+        metadata = {MODEL_CLASS_KEY: MODEL_CLASSES[family]} if family in MODEL_CLASSES else None
+        patcher = build_model_from_config(config, None, torch.float32, metadata)
         _init_weights(patcher.model.diffusion_model, seed)
         if dtype != torch.float32:
             sd = tiny_state_dict(patcher)
-            patcher = build_model_from_config(config, None, dtype)
+            patcher = build_model_from_config(config, None, dtype, metadata)
             patcher.model.load_model_weights(sd, "")
     return set_reload(patcher, _rebuild_tiny, family, seed, dtype, unet_config)
 
@@ -148,6 +161,8 @@ def write_tiny_model(family: str, path: str, seed: int = 0) -> str:
     metadata = {"precision_lora.tiny_family": family}
     if family not in STOCK_DETECTABLE:
         metadata[UNET_CONFIG_KEY] = json.dumps(unet_config_for(family))
+    if family in MODEL_CLASSES:
+        metadata[MODEL_CLASS_KEY] = MODEL_CLASSES[family]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.partial"
     safetensors.torch.save_file(tiny_state_dict(patcher), tmp, metadata=metadata)

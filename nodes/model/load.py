@@ -11,6 +11,7 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.model_patcher
 import comfy.sd
+import comfy.supported_models
 import comfy.utils
 import folder_paths
 
@@ -33,6 +34,12 @@ WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
 }
 
 
+# Metadata naming the ComfyUI model class of a tiny UNet file (demo.tiny_models' "sdxl"): SD1.x/SDXL detection
+# matches full-size configs only (320 channels, ...), so a tiny one says which class it is
+MODEL_CLASS_KEY = "precision_lora.model_class"
+TINY_UNET_CLASSES = ("SDXL",)
+
+
 def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
                             dtype: torch.dtype | None = torch.float32,
                             metadata: dict | None = None) -> comfy.model_patcher.ModelPatcher:
@@ -45,6 +52,9 @@ def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
     if unet_config.get("image_model") in ("flux", "flux2"):
         unet_config = fit_flux_config(unet_config)
     model_config = comfy.model_detection.model_config_from_unet_config(unet_config, state_dict)
+    model_class = (metadata or {}).get(MODEL_CLASS_KEY)
+    if model_config is None and model_class in TINY_UNET_CLASSES:  # a tiny UNet stock detection cannot match
+        model_config = getattr(comfy.supported_models, model_class)(dict(unet_config))
     if model_config is None:
         raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
     per_layer = False

@@ -47,7 +47,8 @@ PRIMITIVES = {"INT": "PrimitiveInt", "FLOAT": "PrimitiveFloat", "STRING": "Primi
               "BOOLEAN": "PrimitiveBoolean"}
 MODEL_FILES = {"cosmos": "precision_tiny_cosmos.safetensors", "flux1_dev": "precision_tiny_flux1_dev.safetensors",
                "flux1_schnell": "precision_tiny_flux1_schnell.safetensors",
-               "flux2": "precision_tiny_flux2.safetensors", "anima": "precision_tiny_anima.safetensors"}
+               "flux2": "precision_tiny_flux2.safetensors", "anima": "precision_tiny_anima.safetensors",
+               "sdxl": "precision_tiny_sdxl.safetensors"}
 
 
 class Graph:

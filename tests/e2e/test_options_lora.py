@@ -68,7 +68,7 @@ def _write_loras(base: str) -> None:
 
 @pytest.fixture(scope="module")
 def opts(comfy_server):
-    view = OptionsServer.attach(comfy_server, prepare=_write_loras)
+    view = OptionsServer.attach(comfy_server, families=("sdxl",), prepare=_write_loras)
     yield view
     view.close()
 
@@ -347,18 +347,66 @@ def test_attach_adapter_kinds_continue_save_and_sample_like_stock(opts):
         assert args.get("factor") == (4 if kind == "lokr" else None)
 
 
+LOCON_INIT = "options_init_locon.safetensors"
+LOCON_CONVS = ("input_blocks.1.0.in_layers.2", "output_blocks.0.0.skip_connection")
+
+
+def _write_locon_init(base: str) -> None:
+    """A non-zero rank-4 LoCon on two of the tiny SDXL's res-block convs (3x3 and 1x1), by the pack's own set."""
+    from lora.config import LoRAConfig
+    from lora.file import lora_state_dict
+    from lora.layer import LoRASet
+
+    sd = safetensors.torch.load_file(os.path.join(base, "models", "diffusion_models", MODEL_FILES["sdxl"]))
+    shapes = {p: (w.shape[1], w.shape[0], w.shape[2], w.shape[3]) for p in LOCON_CONVS for w in [sd[p + ".weight"]]}
+    s = LoRASet(LoRAConfig(rank=4, alpha=4.0, adapter="locon"), shapes)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for t in s.parameters():
+            t.add_(0.2 * torch.randn(t.shape, generator=g))
+    save_lora_file(os.path.join(base, "models", "loras", LOCON_INIT), lora_state_dict(s, "diffusion_model"), {},
+                   overwrite=True)
+
+
+def test_attach_adapter_locon_on_a_tiny_sdxl_samples_like_stock(opts):
+    """adapter=locon on a tiny SDXL file (ComfyUI's SDXL class, tests/comfy/test_locon.py has the in-process
+    cases) through /prompt, continuing from a LoCon file: the model samples as stock LoraLoaderModelOnly makes it
+    with that file and as the pack's Load LoRA does; the saved file holds the file's conv factors in stock's
+    layout (down (4, in, kh, kw), up (out, 4, 1, 1)) among the res-block convs and the attention Linear layers."""
+    _write_locon_init(opts.server.base_dir)
+    g = Graph()
+    loader = g.add("PrecisionLoadDiffusionModel", model_name=MODEL_FILES["sdxl"], weight_dtype="fp32")
+    node = g.add("PrecisionAttachLoRA", model=out(loader), **{**ATTACH, "adapter": "locon", "init_lora": LOCON_INIT})
+    save = g.add("PrecisionSaveLoRA", model=out(node), filename_prefix="options/adapter_locon_sdxl", **SAVE)
+    stock = g.add("LoraLoaderModelOnly", model=out(loader), lora_name=LOCON_INIT, strength_model=1.0)
+    ids = {"plain": sample(g, out(loader), loader, "locon_base"), "attached": sample(g, out(node), loader, "locon"),
+           "stock": sample(g, out(stock), loader, "locon_stock"),
+           "loaded": sample(g, out(_load(g, loader, LOCON_INIT)), loader, "locon_loaded")}
+    entry = opts.run(g)
+    x = {k: opts.latent(entry, v) for k, v in ids.items()}
+    assert rel(x["stock"], x["plain"]) > 1e-3
+    assert rel(x["attached"], x["stock"]) < 1e-4 and rel(x["loaded"], x["stock"]) < 1e-4
+    _, tensors, md = opts.saved_lora(entry, save)
+    written = safetensors.torch.load_file(opts.path("models", "loras", LOCON_INIT))
+    assert written.keys() < tensors.keys() and all(torch.equal(tensors[k], written[k]) for k in written)
+    up = tensors["diffusion_model.output_blocks.0.0.skip_connection.lora_up.weight"]
+    assert tensors["diffusion_model.input_blocks.1.0.in_layers.2.lora_down.weight"].shape == (4, 32, 3, 3)
+    assert up.shape[1:] == (4, 1, 1)
+    assert any(".attn1.to_q." in k for k in tensors) and json.loads(md["ss_network_args"])["adapter"] == "locon"
+
+
 def test_attach_adapter_locon_is_refused_on_a_model_without_res_block_convs(opts):
     """adapter=locon (LoRA plus the UNet's res-block Conv2d layers, tests/comfy/test_locon.py on a tiny SDXL) on
     the tiny Flux.1, which has no Conv2d: the prompt fails at Attach LoRA naming the input, its value and the fix,
     and nothing is saved."""
     g, loader = base_graph()
     node = g.add("PrecisionAttachLoRA", model=out(loader), **{**ATTACH, "adapter": "locon"})
-    g.add("PrecisionSaveLoRA", model=out(node), filename_prefix="options/adapter_locon", **SAVE)
+    g.add("PrecisionSaveLoRA", model=out(node), filename_prefix="options/refused_locon", **SAVE)
     message = opts.failure(g)
     assert re.search(r"PrecisionAttachLoRA: input 'adapter'='locon' adds LoRA to a UNet's Conv2d layers, but this "
                      r"\S+ model has no res-block Conv2d layer: use adapter 'lora'", message), message
     folder = opts.path("models", "loras", "options")
-    assert not any(n.startswith("adapter_locon") for n in (os.listdir(folder) if os.path.isdir(folder) else ()))
+    assert not any(n.startswith("refused_locon") for n in (os.listdir(folder) if os.path.isdir(folder) else ()))
 
 
 def test_every_lora_option_went_through_the_server(opts):
