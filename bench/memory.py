@@ -3,7 +3,8 @@
 The real ComfyUI model class at the released file's config (``bench/memory_models.py``) is built under
 ``FakeTensorMode`` on device cpu (shapes and dtypes only), the pack's own LoRA is attached as
 ``PrecisionAttachLoRA`` does (object patches on each target Linear), and two steps of the pack's training
-step run (``bench/memory_step.py``: loss, backward, the pack's optimizer with its fp32 masters, gradient
+step run (``training/memory_step.py`` through ``nodes/train/memory_estimate.py``, which the training node's
+VRAM planner shares: loss, backward, the pack's optimizer with its fp32 masters, gradient
 checkpointing as ``training_session`` applies it) under torch's ``MemTracker``; the peak is taken over
 both steps, so the optimizer state made by the first counts. Attention runs through PyTorch SDPA (what
 ComfyUI uses on NVIDIA); on the CPU that is the flash kernel, which keeps the output and log-sum-exp, the
@@ -49,22 +50,17 @@ def _setup_paths() -> None:
             sys.path.insert(0, path)
 
 
+def _estimate() -> Any:
+    """The pack's estimator (``nodes/train/memory_estimate.py``: the training node plans VRAM budgets with it)."""
+    return _pack("nodes.train.memory_estimate")
+
+
 def sdpa_override(counter: dict) -> Any:
-    """An ``optimized_attention_override`` that runs ComfyUI's PyTorch-SDPA attention and counts the
-    attention FLOPs of each call (4·B·H·Lq·Lk·D, forward) into ``counter``."""
-    import comfy.ldm.modules.attention as attention
+    return _estimate().sdpa_override(counter)
 
-    def override(func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any, **kwargs: Any) -> Any:
-        b, lq, lk = q.shape[0], q.shape[-2], k.shape[-2]
-        if not kwargs.get("skip_reshape", False):
-            lq, lk = q.shape[1], k.shape[1]
-        d = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
-        counter["flops"] = counter.get("flops", 0) + 4 * b * heads * lq * lk * d
-        counter["calls"] = counter.get("calls", 0) + 1
-        kwargs.pop("transformer_options", None)
-        return attention.attention_pytorch(q, k, v, heads, *args, **kwargs)
 
-    return override
+def _patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
+    return _estimate().patched_forwards(model)
 
 
 def _inputs(model: Any, size: int, tokens: int, device: Any = None) -> tuple[Any, Any]:
@@ -99,101 +95,24 @@ def _conditioning(model: Any, nodes: Any, tokens: int) -> list:
     return [[torch.randn(1, tokens, int(width)), {"pooled_output": None}]]
 
 
-def _patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
-    """Install the clone's object patches (the LoRA forwards) on the modules, as ``patch_model`` does;
-    returns what to undo."""
-    import comfy.utils
-
-    undo = []
-    for key, patch in model.object_patches.items():
-        owner_path, attr = key.rsplit(".", 1)
-        owner = comfy.utils.get_attr(model.model, owner_path)
-        undo.append((owner, attr, attr in owner.__dict__))
-        setattr(owner, attr, patch)
-    return undo
-
-
 def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: str = "attention",
              tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_gemm: bool = False,
              device: Any = None, on_second_step: Callable[[], None] | None = None) -> dict:
-    """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds);
-    returns bytes by category, the peak, the five largest saved tensors and FLOPs. ``cuda_gemm`` (fake
-    tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no fp32 copies of
-    the operands; the CPU path upcasts them, a temporary a GPU never makes). ``device``: where the inputs
-    go (the model's device; default cpu); ``on_second_step``: called before the tracked steps."""
+    """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds) at a
+    square ``size`` with ``tokens`` text tokens; the step is the pack's (``memory_estimate.run_step``).
+    ``cuda_gemm`` (fake tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no
+    fp32 copies of the operands; the CPU path upcasts them, a temporary a GPU never makes). ``device``:
+    where the inputs go (the model's device; default cpu); ``on_second_step``: called before the tracked steps."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    import memory_step
-
-    glue, tglue, grad = _pack("nodes.lora.glue"), _pack("nodes.train.glue"), _pack("training.grad")
-    compat, optim, masters_mod = _pack("nodes.host.comfy_compat"), _pack("training.optim"), _pack("training.masters")
     settings = _pack("training.settings").TrainSettings(gradient_checkpointing=checkpointing)
     cfg = _pack("lora.config").LoRAConfig(rank=rank, alpha=float(rank), targets=targets,
-                                                 fp32_accumulation=fp32_accumulation)
-    with torch.inference_mode(False):
-        attached = glue.attach_lora(model, cfg)
-        lora_set = glue.get_lora_set(attached)
-        counter: dict = {}
-        topts = attached.model_options.setdefault("transformer_options", {})
-        topts["optimized_attention_override"] = sdpa_override(counter)
-        dm = attached.model.diffusion_model
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():  # real (small) inputs: the data checks read values
-            x0, cond = _inputs(attached, size, tokens, device)
-        fns = tglue.model_fns(attached, lora_set, settings, device or torch.device("cpu"))
-        cond = fns.collate([cond])
-        groups = lora_set.param_groups(settings.learning_rate, settings.loraplus_ratio)
-        masters = masters_mod.MasterWeights(groups, torch.Generator().manual_seed(0))
-        optimizer = optim.build_optimizer(groups, settings.optimizer, settings.hyperparams)
-        undo = _patched_forwards(attached)
-        linear = _pack("lora.linear")
-        cpu_gemm = linear._gemm_fp32_out
-        if cuda_gemm:
-            linear._gemm_fp32_out = lambda a, b_t: torch.mm(a, b_t, out_dtype=torch.float32)
-        frozen = [(p, p.requires_grad) for p in dm.parameters()]
-        try:
-            with grad.autograd_enabled(), compat.model_gradients():
-                for p, _ in frozen:
-                    p.requires_grad_(False)
-                lora_set.train(True)
-                blocks = grad.find_block_lists(dm, tglue.BLOCK_LISTS)[:-1] if checkpointing else []
-                with grad.checkpoint_blocks(blocks, in_place_adds=tglue.needs_in_place_fix(attached), rng=lora_set.rng):
-                    def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
-                        out = fns.predict(*args)
-                        counter.setdefault("forward", counter.get("flops", 0))
-                        return out
-
-                    step = memory_step.make_step(predict, x0, cond, fns, settings, optimizer, masters,
-                                                 _pack("training.sampling"))
-                    flops = FlopCounterMode(display=False)
-                    with flops:  # a first step outside the tracker: FLOPs, attention calls, optimizer state
-                        step()
-                    # forward + recomputation (counted as called) + backward (twice the forward's)
-                    attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
-                    if on_second_step is not None:
-                        on_second_step()
-                    tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
-        finally:
-            linear._gemm_fp32_out = cpu_gemm
-            for p, flag in frozen:
-                p.requires_grad_(flag)
-            for owner, attr, had in undo:
-                if not had:
-                    owner.__dict__.pop(attr, None)
-    mem = memory_step.summarize(tracker, census)
-    return {"peak": mem.peak, "by_kind": mem.by_kind, "largest_saved": mem.largest_saved,
-            "matmul_flops": int(flops.get_total_flops()), "attention_flops": int(attention),
-            "lora_bytes": sum(p.numel() * p.element_size() for p in lora_set.parameters()),
-            "blocks": _block_bytes(dm, grad, tglue)}
-
-
-def _block_bytes(dm: Any, grad: Any, tglue: Any) -> list[int]:
-    """Weight bytes of each block the pack would checkpoint/swap, in execution order: every block but the last
-    (the training session checkpoints ``[:-1]``, and ``swap_blocks`` streams checkpointed blocks only)."""
-    blocks = grad.find_block_lists(dm, tglue.BLOCK_LISTS)[:-1]
-    return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+                                          fp32_accumulation=fp32_accumulation)
+    with torch.inference_mode(False), unset_fake_temporarily():  # real (small) inputs: the data checks read values
+        x0, cond = _inputs(model, size, tokens, device)
+    return _estimate().run_step(model, x0, [cond], cfg, settings, steps=steps, cuda_gemm=cuda_gemm, device=device,
+                                on_second_step=on_second_step)
 
 
 BASES = {"bf16": ("bfloat16", None), "fp8": ("float8_e4m3fn", "bfloat16")}
@@ -227,12 +146,7 @@ def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, tar
 
 def step_cost(run: dict):
     """``training.memory_plan.StepCost`` of a tracked run."""
-    kinds = run["by_kind"]
-    return _pack("training.memory_plan").StepCost(
-        peak=run["peak"], blocks=tuple(run["blocks"]),
-        weights=kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"],
-        lora=run["lora_bytes"] + kinds.get("Gradient", 0), optimizer=kinds.get("Optstate", 0),
-        activations=kinds.get("Activation", 0) + kinds.get("Temp", 0))
+    return _estimate().step_cost(run)
 
 
 def plan_figures(run: dict, checkpointing: bool, swap: int) -> dict:

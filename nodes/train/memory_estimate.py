@@ -1,0 +1,162 @@
+"""One training step of the pack at a model's real size, estimated on the CPU under fake tensors.
+
+The core of ``bench/memory.py`` (#29 item 1), here so the training node can plan a VRAM budget
+(``budget.py``). ``run_step`` attaches a LoRA of the given config as ``PrecisionAttachLoRA`` does, runs the
+pack's training step twice (``training.memory_step``: loss, backward, optimizer with its fp32 masters,
+checkpointing as ``training_session`` applies it) under torch's ``MemTracker`` and returns the tracked
+peak by kind, the FLOPs and each swappable block's weight bytes. ``fake_twin`` builds the model a
+ModelPatcher holds again from its own ``model_config`` (unet_config, weight and compute dtypes) under
+``FakeTensorMode``: shapes and dtypes, no memory, no weights read. ``step_cost`` turns a run into
+``training.memory_plan.StepCost``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+import comfy.model_patcher
+
+from ...lora import linear
+from ...lora.config import LoRAConfig
+from ...training import grad, masters as masters_mod, memory_step, optim, sampling
+from ...training.memory_plan import StepCost
+from ...training.settings import TrainSettings
+from ..host.comfy_compat import model_gradients
+from ..lora.glue import attach_lora, get_lora_set
+from .glue import BLOCK_LISTS, model_fns, needs_in_place_fix
+
+
+def sdpa_override(counter: dict) -> Any:
+    """An ``optimized_attention_override`` that runs ComfyUI's PyTorch-SDPA attention and counts the
+    attention FLOPs of each call (4·B·H·Lq·Lk·D, forward) into ``counter``."""
+    import comfy.ldm.modules.attention as attention
+
+    def override(func: Any, q: Any, k: Any, v: Any, heads: int, *args: Any, **kwargs: Any) -> Any:
+        b, lq, lk = q.shape[0], q.shape[-2], k.shape[-2]
+        if not kwargs.get("skip_reshape", False):
+            lq, lk = q.shape[1], k.shape[1]
+        d = q.shape[-1] if kwargs.get("skip_reshape", False) else q.shape[-1] // heads
+        counter["flops"] = counter.get("flops", 0) + 4 * b * heads * lq * lk * d
+        counter["calls"] = counter.get("calls", 0) + 1
+        kwargs.pop("transformer_options", None)
+        return attention.attention_pytorch(q, k, v, heads, *args, **kwargs)
+
+    return override
+
+
+def patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
+    """Install the clone's object patches (the LoRA forwards) on the modules, as ``patch_model`` does;
+    returns what to undo."""
+    import comfy.utils
+
+    undo = []
+    for key, patch in model.object_patches.items():
+        owner_path, attr = key.rsplit(".", 1)
+        owner = comfy.utils.get_attr(model.model, owner_path)
+        undo.append((owner, attr, attr in owner.__dict__))
+        setattr(owner, attr, patch)
+    return undo
+
+
+def fake_twin(model: Any) -> tuple[Any, Any]:
+    """(FakeTensorMode, a ModelPatcher of the same class and config as ``model``'s, built under it):
+    ``model.model.model_config`` as loaded (its unet_config with the weight dtype, its compute dtype and
+    quantization options), weights fake. Nothing of the real model is read or moved."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        twin = model.model.model_config.get_model({}, "")
+    cpu = torch.device("cpu")
+    patcher = comfy.model_patcher.ModelPatcher(twin, load_device=cpu, offload_device=cpu)
+    patcher.load_device = None  # the LoRA set stays where it is made (Module.to cannot swap fake parameters)
+    return mode, patcher
+
+
+@contextlib.contextmanager
+def _cuda_gemm(on: bool):
+    """The fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``: no fp32 copies of the operands; the
+    CPU path upcasts them, a temporary a GPU never makes). Fake tensors only."""
+    cpu_gemm = linear._gemm_fp32_out
+    if on:
+        linear._gemm_fp32_out = lambda a, b_t: torch.mm(a, b_t, out_dtype=torch.float32)
+    try:
+        yield
+    finally:
+        linear._gemm_fp32_out = cpu_gemm
+
+
+def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settings: TrainSettings, *,
+             steps: int = 2, cuda_gemm: bool = False, device: Any = None,
+             on_second_step: Callable[[], None] | None = None) -> dict:
+    """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds) with a
+    LoRA of config ``lora`` attached, on the batch ``x0`` (B, ...) with one processed cond per row
+    (``conds``), checkpointing and optimizer as ``settings`` say; returns bytes by kind, the peak, the five
+    largest saved tensors, FLOPs and each swappable block's weight bytes. ``device``: where the model's
+    inputs are (default cpu); ``on_second_step``: called before the tracked steps."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.inference_mode(False):
+        attached = attach_lora(model, lora)
+        lora_set = get_lora_set(attached)
+        counter: dict = {}
+        attached.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
+            sdpa_override(counter)
+        dm = attached.model.diffusion_model
+        fns = model_fns(attached, lora_set, settings, device or torch.device("cpu"))
+        cond = fns.collate(conds)
+        groups = lora_set.param_groups(settings.learning_rate, settings.loraplus_ratio)
+        masters = masters_mod.MasterWeights(groups, torch.Generator().manual_seed(0))
+        optimizer = optim.build_optimizer(groups, settings.optimizer, settings.hyperparams)
+        undo = patched_forwards(attached)
+        frozen = [(p, p.requires_grad) for p in dm.parameters()]
+        try:
+            with _cuda_gemm(cuda_gemm), grad.autograd_enabled(), model_gradients():
+                for p, _ in frozen:
+                    p.requires_grad_(False)
+                lora_set.train(True)
+                blocks = grad.find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
+                with grad.checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(attached), rng=lora_set.rng):
+                    def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
+                        out = fns.predict(*args)
+                        counter.setdefault("forward", counter.get("flops", 0))
+                        return out
+
+                    step = memory_step.make_step(predict, x0, cond, fns, settings, optimizer, masters, sampling)
+                    flops = FlopCounterMode(display=False)
+                    with flops:  # a first step outside the tracker: FLOPs, attention calls, optimizer state
+                        step()
+                    # forward + recomputation (counted as called) + backward (twice the forward's)
+                    attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
+                    if on_second_step is not None:
+                        on_second_step()
+                    tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
+        finally:
+            for p, flag in frozen:
+                p.requires_grad_(flag)
+            for owner, attr, had in undo:
+                if not had:
+                    owner.__dict__.pop(attr, None)
+    mem = memory_step.summarize(tracker, census)
+    return {"peak": mem.peak, "by_kind": mem.by_kind, "largest_saved": mem.largest_saved,
+            "matmul_flops": int(flops.get_total_flops()), "attention_flops": int(attention),
+            "lora_bytes": sum(p.numel() * p.element_size() for p in lora_set.parameters()),
+            "blocks": block_bytes(dm)}
+
+
+def block_bytes(dm: Any) -> list[int]:
+    """Weight bytes of each block the pack would checkpoint/swap, in execution order: every block but the last
+    (the training session checkpoints ``[:-1]``, and ``swap_blocks`` streams checkpointed blocks only)."""
+    blocks = grad.find_block_lists(dm, BLOCK_LISTS)[:-1]
+    return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+
+
+def step_cost(run: dict) -> StepCost:
+    """``training.memory_plan.StepCost`` of a tracked run."""
+    kinds = run["by_kind"]
+    return StepCost(peak=run["peak"], blocks=tuple(run["blocks"]),
+                    weights=kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"],
+                    lora=run["lora_bytes"] + kinds.get("Gradient", 0), optimizer=kinds.get("Optstate", 0),
+                    activations=kinds.get("Activation", 0) + kinds.get("Temp", 0))
