@@ -31,7 +31,7 @@ from ...attention.config import AttentionConfig
 from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ...attention.stats import AttentionStats
 from ..host.comfy_compat import has_backward
-from .reach import WRAPPER_KEY, inside_attention, reach_wrapper
+from .reach import WRAPPER_KEY, ConditioningReach, inside_attention, reach_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,9 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     apply_model = comfy.patcher_extension.WrappersMP.APPLY_MODEL
     wrappers[apply_model] = {**wrappers.get(apply_model, {}), WRAPPER_KEY: [reach_wrapper]}
     options["wrappers"] = wrappers
+    # attention that runs while ComfyUI prepares the conditioning (Anima's LLM adapter in extra_conds)
+    if getattr(clone.model, "extra_conds", None) is not None:
+        clone.add_object_patch("extra_conds", ConditioningReach(clone.get_model_object("extra_conds"), options))
     log.info("[Precision LoRA] attention patched: backend=%s scale_mode=%s scale_value=%s",
              cfg.backend, cfg.scale_mode, cfg.scale_value)
     return clone

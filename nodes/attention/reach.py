@@ -7,9 +7,13 @@ attention calls that pass ``transformer_options``. Two kinds of call do not (Com
   (``comfy.ldm.pixart``), HunyuanDiT (``comfy.ldm.hydit``, its pooler included), ErnieImage
   (``comfy.ldm.ernie``);
 - ``torch.nn.functional.scaled_dot_product_attention`` called directly (or through
-  ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``). Anima's LLM adapter calls it
-  too, but from ``Anima.extra_conds`` (while ComfyUI prepares the conditioning, outside ``apply_model``),
-  where this wrapper does not act: its calls keep the model's own attention (docs/anima.md).
+  ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``), Anima's LLM adapter
+  (``comfy.ldm.anima``).
+
+Anima's adapter runs inside the model's forward outside inference mode (training), but while sampling
+ComfyUI runs it once per prompt in ``Anima.extra_conds``, while it prepares the conditioning, before
+``apply_model``. ``ConditioningReach`` is an object patch on the patched clone's ``extra_conds`` that runs
+it inside ``reach_options`` too, so the adapter takes the same attention in sampling as in training.
 
 ``reach_wrapper`` is a ComfyUI ``apply_model`` wrapper (``WrappersMP.APPLY_MODEL``) that
 ``patch_attention`` adds to the patched clone's transformer_options only. For the duration of that model's forward it:
@@ -208,6 +212,24 @@ def reach_wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return executor(*args, **kwargs)
     with reach_options(options):
         return executor(*args, **kwargs)
+
+
+class ConditioningReach:
+    """ComfyUI object patch for a model's ``extra_conds`` (``ModelPatcher.add_object_patch``: in place only
+    while the patched clone is loaded, as when ComfyUI's sampler prepares the conditioning): the original
+    runs inside ``reach_options(options)``, so attention computed there (Anima's LLM adapter) reaches the
+    override as it does inside the forward."""
+
+    def __init__(self, extra_conds: Callable[..., Any], options: dict) -> None:
+        # a clone of a patched model patched again: wrap the model's own function, not the earlier override's
+        self.extra_conds = extra_conds.extra_conds if isinstance(extra_conds, ConditioningReach) else extra_conds
+        self.options = options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _OPTIONS.get() is self.options:
+            return self.extra_conds(*args, **kwargs)
+        with reach_options(self.options):
+            return self.extra_conds(*args, **kwargs)
 
 
 def installed() -> bool:

@@ -212,10 +212,13 @@ class SdpaSpy:
         return getattr(torch.nn.functional, name)
 
 
-def test_scale_reaches_every_dit_attention_call_and_not_the_adapter(ours, mods, monkeypatch):
-    """DiT attention: every call goes through the override and takes the scale (as a reference forward at
-    that scale computes it). LLM adapter: it calls F.scaled_dot_product_attention itself, without
-    transformer_options, so the override never sees it and its output does not change with the scale."""
+def test_scale_reaches_every_attention_call_the_adapter_included(ours, mods, monkeypatch):
+    """DiT attention: every call goes through the override. LLM adapter: it calls
+    F.scaled_dot_product_attention itself, and while sampling ComfyUI runs it in ``Anima.extra_conds``
+    (outside apply_model, once per prompt); Patch Attention's ``extra_conds`` object patch
+    (``nodes/attention/reach.py: ConditioningReach``) hands those calls to the override too. All 44 calls of
+    one sampler step (20 DiT + 2 prompts x 12 adapter) take the scale, as a reference forward at that scale
+    computes them, and the adapter's output changes with it."""
     import comfy.ldm.anima.model as anima_model
     from comfy.ldm.cosmos.predict2 import Attention as DitAttention
 
@@ -227,9 +230,7 @@ def test_scale_reaches_every_dit_attention_call_and_not_the_adapter(ours, mods, 
     monkeypatch.setattr(anima_model, "F", spy)
     hook = dm.llm_adapter.register_forward_hook(lambda m, args, out: adapter_out.append(out.detach().clone()))
     try:
-        # the adapter's direct SDPA calls keep their own scale in the reference too (they run in extra_conds,
-        # outside apply_model, where nodes/attention/reach.py does not act)
-        with reference_forward(multiplier=2.0, direct_sdpa=False) as ref:
+        with reference_forward(multiplier=2.0) as ref:  # the adapter's direct SDPA calls at 2x too
             expected = denoise(model)
         runs = len(adapter_out)
         patched = mods.aglue.patch_attention(model, mods.AttentionConfig(backend="sdpa", scale_mode="multiplier",
@@ -238,13 +239,19 @@ def test_scale_reaches_every_dit_attention_call_and_not_the_adapter(ours, mods, 
         default = denoise(model)
     finally:
         hook.remove()
-    assert (dit_layers, adapter_layers) == (20, 12) and ref.calls == dit_layers
-    assert mods.aglue.get_attention_stats(patched).total().calls == dit_layers
-    assert runs > 0 and spy.calls == 3 * runs * adapter_layers and len(adapter_out) == 3 * runs
-    assert all(torch.equal(out, adapter_out[0]) for out in adapter_out)  # the scale never reached the adapter
+    override = patched.model_options["transformer_options"]["optimized_attention_override"]
+    assert (dit_layers, adapter_layers, runs) == (20, 12, 2) and ref.calls == dit_layers + runs * adapter_layers
+    assert mods.aglue.get_attention_stats(patched).total().calls == ref.calls == 44 and override.unreached() == {}
+    assert spy.calls == 3 * runs * adapter_layers and len(adapter_out) == 3 * runs
+    reference, scaled, stock = adapter_out[:runs], adapter_out[runs:2 * runs], adapter_out[2 * runs:]
+    assert all(torch.equal(a, b) for a, b in zip(stock, stock[1:]))
+    for ref_out, out, plain in zip(reference, scaled, stock):  # the scale reached the adapter
+        assert (out - ref_out).abs().max() < SCALE_TOL * ref_out.abs().max()
+        assert (out - plain).abs().max() > 100 * SCALE_TOL * plain.abs().max()
     err = (got - expected).abs().max().item() / expected.abs().max().item()
     assert err < SCALE_TOL, f"relative error {err:.2e} against the reference forward at 2x scale"
     assert (default - expected).abs().max().item() > 100 * SCALE_TOL * expected.abs().max().item()
+    assert model.get_model_object("extra_conds") == model.model.extra_conds  # the source model is untouched
 
 
 def test_presets_leave_the_adapter_out_and_include_adds_it(ours, mods):
