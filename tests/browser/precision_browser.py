@@ -113,9 +113,16 @@ class Browser:
 
 
 
+# The frontend's full-screen busy mask (PrimeVue BlockUI, shown while ComfyUI starts and while a dropped file
+# loads). PrimeVue 4.2's BlockUI leaves an orphaned mask over the whole page, swallowing every click, when it
+# is blocked again before the previous mask's fade-out ended (its animationend handler removes the *newest*
+# mask): a file dropped right after start-up did that on a slow CI machine. So the helpers below wait for the
+# mask to be gone before a drop, and count a page or a graph as ready only without one.
+
 PAGE_READY = """() => {
   const app = window.comfyAPI?.app?.app;
   if (!app?.graph || !app.canvas) return false;
+  if (document.querySelector(".p-blockui-mask")) return false;
   if (!window.LiteGraph?.registered_node_types?.["PrecisionLoadDiffusionModel"]) return false;
   const names = (app.extensions || []).map((e) => e.name);
   return ["precision_lora.train_chart", "precision_lora.lora_info", "precision_lora.scale_display",
@@ -143,6 +150,11 @@ DROP_WORKFLOW = """async ({ name, text }) => {
   }
   seen.missingNodes.length = 0;
   seen.missingModels.length = 0;
+  // a drop while the previous busy mask fades out orphans a mask over the page (see PAGE_READY)
+  for (let waited = 0; document.querySelector(".p-blockui-mask"); waited += 50) {
+    if (waited > 30000) throw new Error("the frontend's busy mask (.p-blockui-mask) stayed 30 s before the drop");
+    await new Promise((r) => setTimeout(r, 50));
+  }
   const dt = new DataTransfer();
   dt.items.add(new File([text], name, { type: "application/json" }));
   document.dispatchEvent(new DragEvent("drop", { bubbles: true, cancelable: true, dataTransfer: dt }));
@@ -155,6 +167,7 @@ GRAPH_LOADED = """(wantIds) => {
   // numbers in frontend 1.32 (ComfyUI 0.3.75), strings in 1.49 (ComfyUI 0.33)
   const ids = app.graph.nodes.map((n) => Number(n.id)).sort((a, b) => a - b);
   if (JSON.stringify(ids) !== JSON.stringify(wantIds)) return false;
+  if (document.querySelector(".p-blockui-mask")) return false; // the file is still loading
   const seen = window.__precisionDialogs || { missingNodes: [], missingModels: [] };
   const dialogs = [...document.querySelectorAll(".p-dialog")]
     .filter((d) => d.offsetParent !== null)
