@@ -64,6 +64,26 @@ def _gib(n: float) -> float:
     return round(n / GIB, 2)
 
 
+BUDGET_HELP = "give 0 (or off), auto (the training device's free memory), or a positive number of GiB such as 12"
+
+
+def parse_budget(text: str) -> float | str | None:
+    """Train Settings' ``vram_budget_gb``: None for "0"/"off"/"" (no planning), "auto", or a positive
+    number of GiB. ValueError (the fix in the message) for anything else: "12GB", "-3", "nan"."""
+    value = text.strip().lower() if isinstance(text, str) else None
+    if value in ("", "0", "off", "0.0"):
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        gib = float(value) if value is not None else float("nan")
+    except ValueError:
+        gib = float("nan")
+    if not (gib > 0 and gib < float("inf")):
+        raise ValueError(BUDGET_HELP)
+    return gib
+
+
 def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0) -> Plan:
     """The estimate of one plan from the step's cost (``cost`` measured with that checkpointing setting)."""
     blocks = cost.blocks

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .checks import number_problem
+from .memory_plan import parse_budget
 from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, schedule_free
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
 from .views import EMA_SAVE
@@ -67,6 +68,7 @@ class TrainSettings:
     ema_save: str = "beside"        # EMA_SAVE: "beside" (extra file) or "as_lora" (the LoRA is the EMA)
     ema_preview: bool = False       # previews sample with the EMA weights
     swap_blocks: int = 0            # frozen blocks streamed from host memory (training.swap); 0 = off
+    vram_budget_gb: str = "0"       # "0"/"off", "auto" or GiB: the memory planner picks checkpointing + swap_blocks
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +119,15 @@ class TrainSettings:
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
         self._validate_ema()
+        try:
+            parse_budget(self.vram_budget_gb)
+        except ValueError as exc:
+            raise _err("vram_budget_gb", self.vram_budget_gb, str(exc)) from None
+
+    @property
+    def budget(self) -> float | str | None:
+        """``vram_budget_gb`` parsed: None (off), "auto" or GiB (``training.memory_plan.parse_budget``)."""
+        return parse_budget(self.vram_budget_gb)
 
     def _validate_ema(self) -> None:
         if not 0.0 <= self.ema_decay < 1.0:

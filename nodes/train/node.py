@@ -24,6 +24,7 @@ from .data import build_dataset
 from .checkpoint_files import verify_resume
 from .ema_files import ema_writer
 from ..checks.graph import refusal
+from .budget import plan_budget
 from .glue import checkpoint_writer, fork_lora, model_fns, training_session
 from .jobs import finish_job, start_job, stopped_runs
 from .preview import PreviewStepHook, make_previewer, node_outputs
@@ -99,6 +100,13 @@ def _settings_inputs() -> list:
                      tooltip="Block swap: keep this many transformer blocks in host memory and stream each to the "
                              "GPU just before it runs (forward and backward), for far less VRAM at some speed. "
                              "Needs gradient_checkpointing; at most the model's block count - 1. 0 = off."),
+        io.String.Input("vram_budget_gb", default=DEFAULTS.vram_budget_gb, optional=True,
+                        tooltip="VRAM the run may use, in GiB (e.g. 12), 'auto' (the GPU's free memory plus what "
+                                "ComfyUI can free) or 0 / off. When set, Train LoRA estimates this model's training "
+                                "step at this run's resolution, rank and batch before loading it and picks "
+                                "gradient checkpointing and swap_blocks to fit (the plan replaces swap_blocks; "
+                                "gradient_checkpointing on is kept); it refuses with the numbers when nothing fits. "
+                                "docs/memory.md."),
         *_ema_inputs(),
     ]
 
@@ -388,6 +396,11 @@ class PrecisionTrainLoRA(PrecisionNode):
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
          changes: tuple[str, ...] = ()):
+    cfg, plan = plan_budget(model, cfg, latents, conditioning)  # before anything is loaded onto the device
+    if plan is not None:
+        log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan)
+        lora_set.info["precision_lora_vram_plan"] = plan
+        changes = (plan, *changes)
     with training_session(model, lora_set, cfg) as device:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in report.lines():

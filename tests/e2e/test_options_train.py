@@ -430,6 +430,40 @@ def test_ema_options_save_and_preview_the_average(opts):
     assert (images[0] - images[1]).abs().max() > 0  # the previews sampled other weights
 
 
+def test_vram_budget_plans_refuses_and_says_what_auto_does(opts):
+    """vram_budget_gb: a budget that fits trains with the plan the report names (the plan replaces swap_blocks,
+    keeps checkpointing on); 0.5 GiB (below the CUDA context allowance) is refused with the numbers before
+    training, and nothing is written; 'auto' on this CPU server says there is no VRAM to plan for;
+    malformed values are refused at validation."""
+    fit, fit_ids = train_graph({"vram_budget_gb": "4", "gradient_checkpointing": True, "swap_blocks": 1},
+                               name="o_vram_fit")
+    auto, auto_ids = train_graph({"vram_budget_gb": "auto"}, name="o_vram_auto")
+    entries = opts.run_all({"fit": fit, "auto": auto})
+    plans = {key: opts.saved_lora(entries[key], ids["save"])[2]["precision_lora_vram_plan"]
+             for key, ids in (("fit", fit_ids), ("auto", auto_ids))}
+    assert plans["fit"].startswith("vram budget 4 GiB: fp32 base, checkpointing: est. 0."), plans["fit"]
+    assert plans["fit"].endswith(" GiB of 4 (the plan replaces swap_blocks=1) (gradient_checkpointing on kept: "
+                                 "only plans with checkpointing considered)"), plans["fit"]
+    assert len(opts.steps(entries["fit"], fit_ids["train"])) == 1
+    assert plans["auto"] == ("vram budget auto: the training device is cpu, which has no VRAM to plan for; "
+                             "gradient_checkpointing=False and swap_blocks=0 run as set")
+    small, small_ids = train_graph({"vram_budget_gb": "0.5"}, name="o_vram_small")
+    pid = opts.queue(small)
+    message = opts.failure_of(pid)
+    assert "PrecisionTrainLoRA: input 'vram_budget_gb'='0.5' of PrecisionTrainSettings: no plan fits 0.5 GiB: " \
+           "the smallest, fp32 base, checkpointing, " in message and " blocks swapped, is est. 0.8" in message, message
+    assert opts.steps(pid, small_ids["train"]) == []  # refused before step 1
+    assert not [f for f in os.listdir(opts.path("models", "loras", "options")) if f.startswith("o_vram_small")]
+    assert not os.path.exists(opts.path("models", "loras", "o_vram_small"))
+    for value in ("12GB", "-3"):
+        g, ids = train_graph(name="o_vram_bad")
+        g.nodes[ids["settings"]]["inputs"]["vram_budget_gb"] = value
+        status, body = opts.server.request("/prompt", {"prompt": g.nodes, "client_id": opts.client_id})
+        assert status == 400, body
+        details = " | ".join(e.get("details", "") for e in body["node_errors"][ids["settings"]]["errors"])
+        assert f"PrecisionTrainSettings: TrainSettings.vram_budget_gb='{value}': give 0 (or off), auto" in details
+
+
 def test_every_train_option_went_through_the_server(opts):
     """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and
     every widget of the input-list node (Train LoRA) came through a link; every option of the pack's own

@@ -1,0 +1,155 @@
+"""Train Settings' ``vram_budget_gb``: the memory planner picks gradient checkpointing and swap_blocks.
+
+Before the model is loaded onto the device, ``plan_budget`` estimates one training step of THIS model (a
+fake twin built from its own ``model_config``: ``memory_estimate.fake_twin``) with THIS run's LoRA config,
+largest latent, conditioning, batch size and optimizer, at its real size on the CPU, and takes the
+cheapest plan within the budget (``training.memory_plan.choose``: no checkpointing, checkpointing, then
+1, 2, ... blocks swapped). Estimates are cached in-process per (model config, settings, input shapes),
+so a second run of the same graph plans at once.
+
+Who wins: with a budget set, the plan decides ``swap_blocks`` (a value set by hand is replaced, and the
+report says so); ``gradient_checkpointing`` on is kept (only plans with checkpointing are considered),
+off lets the plan turn it on.
+
+"auto": the training device's free memory as CUDA reports it (``torch.cuda.mem_get_info``) plus what
+ComfyUI could free for the run: its caching allocator's reserved-but-unused memory and the weights of the
+models model management holds on that device (the training session unloads them), plus the CUDA context
+allowance (this process has paid it already; the estimate counts it), minus ComfyUI's own reserve
+(``extra_reserved_memory``). A CPU (or other non-CUDA) device has no VRAM to plan for: the report says so
+and the settings run as set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+import comfy.model_management as mm
+
+from ...training.memory_plan import CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, StepCost, choose
+from ...training.settings import TrainSettings
+from ..lora.glue import get_lora_set
+from .data import build_samples
+from .memory_estimate import fake_twin, run_step, step_cost
+
+log = logging.getLogger(__name__)
+_COSTS: dict[tuple, tuple[StepCost, str]] = {}  # (model config, LoRA, settings, input shapes, checkpointing) -> cost
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8 e5m2"}
+
+
+def auto_budget_gib(device: torch.device) -> float:
+    """What "auto" means on a CUDA ``device`` (module docstring), in GiB."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    held = sum(lm.model_loaded_memory() for lm in mm.current_loaded_models if lm.device == device)
+    return (free + cached + held - mm.extra_reserved_memory()) / GIB + CUDA_CONTEXT_GIB
+
+
+def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: list) -> tuple[TrainSettings, str | None]:
+    """``cfg`` with the plan's checkpointing and swap_blocks, and the report line; ``(cfg, None)`` when the
+    budget is off. ValueError with the numbers when no plan fits (before anything heavy is loaded)."""
+    budget = cfg.budget
+    if budget is None:
+        return cfg, None
+    device = torch.device(model.load_device)
+    auto = budget == "auto"
+    if auto:
+        if device.type != "cuda":
+            return cfg, (f"vram budget auto: the training device is {device.type}, which has no VRAM to plan for; "
+                         f"gradient_checkpointing={cfg.gradient_checkpointing} and swap_blocks={cfg.swap_blocks} "
+                         "run as set")
+        budget = round(auto_budget_gib(device), 2)
+    cost, notes = _cost_fn(model, cfg, latents, conditioning, cuda_gemm=device.type == "cuda")
+    plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing)
+    what = f"vram budget {budget:g} GiB" + (" (auto: free on the device + what ComfyUI can free)" if auto else "")
+    base = DTYPE_NAMES.get(model.model.get_dtype(), str(model.model.get_dtype()).replace("torch.", ""))
+    if plan is None:
+        least = tried[-1]
+        raise ValueError(
+            f"[Precision LoRA] PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
+            f"PrecisionTrainSettings: no plan fits {budget:g} GiB: the smallest, {base} base, {least.describe()}, is est. "
+            f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces); "
+            "raise vram_budget_gb, lower the resolution, rank or batch size, load the base in fp8, or set "
+            "vram_budget_gb to 0 to train without planning")
+    line = f"{what}: {base} base, {plan.describe()}: est. {plan.peak_gib} GiB of {budget:g}"
+    if cfg.swap_blocks and cfg.swap_blocks != plan.swap_blocks:
+        line += f" (the plan replaces swap_blocks={cfg.swap_blocks})"
+    if cfg.gradient_checkpointing:
+        line += " (gradient_checkpointing on kept: only plans with checkpointing considered)"
+    planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks)
+    return planned, line + "".join(notes)
+
+
+def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool):
+    """``cost(checkpointing)`` for ``choose`` (estimated lazily, cached) and the notes its estimates add to
+    the report (filled as ``choose`` asks)."""
+    lora = get_lora_set(model).config
+    with torch.inference_mode(False):
+        x0, conds = _batch(model, cfg, latents, conditioning)
+    base = (_config_key(model), repr(lora), tuple(x0.shape), _shapes(conds[0]), cfg.optimizer, cfg.loss_weighting,
+            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cuda_gemm)
+    notes: list[str] = []
+
+    def cost(checkpointing: bool) -> StepCost:
+        key = (*base, checkpointing)
+        if key not in _COSTS:
+            _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_gemm)
+        cost_, note = _COSTS[key]
+        if note and note not in notes:
+            notes.append(note)
+        return cost_
+
+    return cost, notes
+
+
+def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds: list, checkpointing: bool,
+              cuda_gemm: bool) -> tuple[StepCost, str]:
+    """The step's cost at ``checkpointing`` and a note for the report ("" when the estimate is as asked)."""
+    settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0")
+    log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimating one training step of this model at "
+             "its real size on the CPU (fake tensors, %s; a minute or two for a 12 B model)",
+             "checkpointing" if checkpointing else "no checkpointing")
+    began, note = time.monotonic(), ""
+    try:
+        run = _fake_run(model, x0, conds, lora, settings, cuda_gemm)
+    except Exception as exc:  # an optimizer that reads values (fake tensors have none)
+        if settings.optimizer == "adamw":
+            raise
+        note = (f" (optimizer {settings.optimizer} cannot run on fake tensors: estimated with adamw's two fp32 "
+                f"moments instead; {type(exc).__name__})")
+        run = _fake_run(model, x0, conds, lora, dataclasses.replace(settings, optimizer="adamw"), cuda_gemm)
+    log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimated in %.1f s (tracked peak %.2f GiB)",
+             time.monotonic() - began, run["peak"] / GIB)
+    return step_cost(run), note
+
+
+def _fake_run(model: Any, x0: torch.Tensor, conds: list, lora: Any, settings: TrainSettings, cuda_gemm: bool) -> dict:
+    with torch.inference_mode(False):
+        mode, twin = fake_twin(model)
+        with mode:
+            return run_step(twin, x0, conds, lora, settings, cuda_gemm=cuda_gemm)
+
+
+def _batch(model: Any, cfg: TrainSettings, latents: list, conditioning: list) -> tuple[torch.Tensor, list]:
+    """The largest latent's first row and the first conditioning, as the run builds samples (on the CPU),
+    repeated to the run's batch size (capped at the dataset's rows, as the loop caps it)."""
+    batches = [lat["samples"] for lat in latents]
+    largest = max(batches, key=lambda s: s[0].numel())
+    sample = build_samples(model, [{"samples": largest[:1]}], [[conditioning[0][0]]], None, torch.device("cpu"))[0]
+    rows = min(cfg.batch_size, sum(int(s.shape[0]) for s in batches))
+    return sample.latent.unsqueeze(0).repeat(rows, *([1] * sample.latent.ndim)), [sample.cond] * rows
+
+
+def _config_key(model: Any) -> tuple:
+    mc = model.model.model_config
+    unet = tuple(sorted((k, repr(v)) for k, v in mc.unet_config.items()))
+    return type(mc).__qualname__, unet, repr(getattr(mc, "manual_cast_dtype", None)), repr(getattr(mc, "optimizations", None))
+
+
+def _shapes(cond: dict) -> tuple:
+    return tuple(sorted((k, tuple(c.cond.shape) if isinstance(c.cond, torch.Tensor) else repr(c.cond))
+                        for k, c in cond.items()))

@@ -1,0 +1,111 @@
+"""Train Settings' vram_budget_gb (nodes/train/budget.py): the training node's own estimate of a step agrees
+with bench/memory.py's, estimates are cached per (model config, settings), plans follow the budget, and
+"auto" on a CPU says there is nothing to plan. The server-side runs are in tests/e2e/test_options_train.py."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import memory  # noqa: E402  (bench/memory.py)
+import memory_models  # noqa: E402
+
+SIZE, RANK, TOKENS = 64, 4, 8
+
+
+def _model(pack_module):
+    """A Cosmos-Predict2 of real layer shapes at 256 wide, bf16, real weights: the 'loaded' model."""
+    config = pack_module("demo.tiny_models").cosmos_width_config(256, 2)
+    model = memory_models.build(config, torch.bfloat16, None, pack_module("nodes.host.comfy_compat").fit_flux_config)
+    pack_module("demo.tiny_models")._init_weights(model.model.diffusion_model, 0)
+    return model
+
+
+def _run_inputs(pack_module, model):
+    demo = pack_module("demo.nodes")
+    latents = [{"samples": torch.randn(demo.latent_shape(model, SIZE, SIZE, 1))}]
+    return latents, [demo.make_conditioning(model, "sks", 0, TOKENS)]
+
+
+def _attached(pack_module, model):
+    cfg = pack_module("lora.config").LoRAConfig(rank=RANK, alpha=float(RANK), targets="attention")
+    with torch.inference_mode(False):
+        return pack_module("nodes.lora.glue").attach_lora(model, cfg)
+
+
+@pytest.fixture
+def budget(pack_module):
+    mod = pack_module("nodes.train.budget")
+    mod._COSTS.clear()
+    yield mod
+    mod._COSTS.clear()
+
+
+def test_the_node_estimate_equals_bench_memory(pack_module, budget, one_thread):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = _model(pack_module)
+    settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8")
+    latents, conds = _run_inputs(pack_module, model)
+    cost, _ = budget._cost_fn(_attached(pack_module, model), settings, latents, conds, cuda_gemm=False)
+    node = cost(True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        twin = memory_models.build(pack_module("demo.tiny_models").cosmos_width_config(256, 2), torch.bfloat16, None,
+                                   pack_module("nodes.host.comfy_compat").fit_flux_config)
+        twin.load_device = None
+        bench = memory.step_cost(memory.run_step(twin, size=SIZE, rank=RANK, checkpointing=True, tokens=TOKENS))
+    assert node.peak > 0 and len(node.blocks) == 1
+    assert node == bench, (node, bench)
+
+
+def test_plans_follow_the_budget_and_estimates_are_cached(pack_module, budget, one_thread, monkeypatch):
+    model = _attached(pack_module, _model(pack_module))
+    latents, conds = _run_inputs(pack_module, model)
+    TrainSettings = pack_module("training.settings").TrainSettings
+    calls = []
+    real = budget.run_step
+    monkeypatch.setattr(budget, "run_step", lambda *a, **k: calls.append(a[4].gradient_checkpointing) or real(*a, **k))
+    planned, line = budget.plan_budget(model, TrainSettings(vram_budget_gb="8", swap_blocks=0), latents, conds)
+    assert (planned.gradient_checkpointing, planned.swap_blocks) == (False, 0)
+    assert line.startswith("vram budget 8 GiB: bf16 base, no checkpointing: est. 0.") and line.endswith(" GiB of 8"), line
+    assert calls == [True, False]  # checkpointed first (choose's order), then the plain step
+    again, line2 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8.0"), latents, conds)
+    assert calls == [True, False] and line2 == line and again.vram_budget_gb == "8.0"  # from the cache
+    kept, line3 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8", gradient_checkpointing=True),
+                                     latents, conds)
+    assert kept.gradient_checkpointing and "gradient_checkpointing on kept" in line3 and calls == [True, False]
+    with pytest.raises(ValueError) as refused:
+        budget.plan_budget(model, TrainSettings(vram_budget_gb="0.5"), latents, conds)
+    msg = str(refused.value)
+    assert "PrecisionTrainLoRA: input 'vram_budget_gb'='0.5' of PrecisionTrainSettings: no plan fits 0.5 GiB" in msg
+    assert "checkpointing, 1 of 1 blocks swapped, is est. 0.8" in msg and "set vram_budget_gb to 0" in msg, msg
+
+
+def test_budget_off_and_auto_on_the_cpu(pack_module, budget):
+    model = _attached(pack_module, _model(pack_module))
+    TrainSettings = pack_module("training.settings").TrainSettings
+    off = TrainSettings(vram_budget_gb="off", gradient_checkpointing=True, swap_blocks=1)
+    assert budget.plan_budget(model, off, [], []) == (off, None)
+    auto = dataclasses.replace(off, vram_budget_gb="auto")
+    same, line = budget.plan_budget(model, auto, [], [])
+    assert same == auto and not budget._COSTS
+    assert line == ("vram budget auto: the training device is cpu, which has no VRAM to plan for; "
+                    "gradient_checkpointing=True and swap_blocks=1 run as set")
+
+
+@pytest.mark.parametrize("value", ["12GB", "-3", "nan", "inf", "twelve", "0x10"])
+def test_malformed_budgets_are_refused_by_the_settings(pack_module, value):
+    with pytest.raises(ValueError, match=rf"TrainSettings.vram_budget_gb='{value}': give 0 \(or off\), auto"):
+        pack_module("training.settings").TrainSettings(vram_budget_gb=value)
+
+
+@pytest.mark.parametrize("value, parsed", [("0", None), ("off", None), (" OFF ", None), ("auto", "auto"),
+                                           ("12", 12.0), ("0.5", 0.5), ("1e1", 10.0)])
+def test_budget_values(pack_module, value, parsed):
+    assert pack_module("training.settings").TrainSettings(vram_budget_gb=value).budget == parsed
