@@ -7,8 +7,22 @@ be added before anything is rounded to the model dtype. Shapes: ``x`` (..., in_f
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+_RECAST = "_precision_lora_recast"
+
+
+def recomputable(weight: torch.Tensor, recast: Callable[[], tuple[torch.Tensor, Callable[[], None]]]) -> torch.Tensor:
+    """Mark ``weight``, a fresh cast of a frozen layer's stored weight (ComfyUI's cast of an fp8 / scaled-fp8 /
+    quantized / offloaded layer), as one the base GEMM need not keep for backward: the backward calls
+    ``recast()`` for the same values again ((weight, release); release after the GEMM) instead. Saves one
+    model-dtype copy of every such layer's weight from the forward to its backward (Flux.1-dev fp8: the
+    last block's and the recomputed block's copies). Returns ``weight``."""
+    setattr(weight, _RECAST, recast)
+    return weight
 
 
 def _gemm_fp32_out(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -24,8 +38,11 @@ class _LowPrecisionGemmFp32Out(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        # the base weight is frozen in training: x2 is then not needed, and not kept, for backward
-        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        # the base weight is frozen in training: x2 is then not needed, and not kept, for backward; a weight
+        # marked ``recomputable`` is cast again in backward instead of kept
+        ctx.recast = getattr(w, _RECAST, None) if not ctx.needs_input_grad[1] else None
+        keep_w = ctx.needs_input_grad[0] and ctx.recast is None
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None, w if keep_w else None)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, w.dtype
         return _gemm_fp32_out(x2, w.t())
 
@@ -33,7 +50,11 @@ class _LowPrecisionGemmFp32Out(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # type: ignore[override]
         x2, w = ctx.saved_tensors
         gx = gw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.recast is not None:
+            w, release = ctx.recast()
+            gx = _gemm_fp32_out(grad.to(ctx.w_dtype), w.to(ctx.w_dtype)).to(ctx.x_dtype)
+            release()
+        elif ctx.needs_input_grad[0]:
             gx = _gemm_fp32_out(grad.to(w.dtype), w).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             gw = _gemm_fp32_out(grad.to(x2.dtype).t(), x2).to(ctx.w_dtype)
@@ -88,7 +109,10 @@ def base_linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     low = low or low_precision_dtype(x, weight)
     if low is not None:
         x2 = x.reshape(-1, x.shape[-1]).to(low)
-        y = _LowPrecisionGemmFp32Out.apply(x2, weight.to(low)).reshape(*x.shape[:-1], weight.shape[0])
+        w = weight.to(low)
+        if w is not weight and hasattr(weight, _RECAST):
+            setattr(w, _RECAST, getattr(weight, _RECAST))  # the backward casts the recast weight to low again
+        y = _LowPrecisionGemmFp32Out.apply(x2, w).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.float()
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 

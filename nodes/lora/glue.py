@@ -20,6 +20,7 @@ import torch
 
 from ...lora.config import LoRAConfig
 from ...lora.layer import LoRAAdapter, LoRASet, lora_linear
+from ...lora.linear import recomputable
 from ...lora.locon import ConvGeometry, LoConAdapter, lora_conv2d
 from ...lora.file import LoRAFactors, default_key_style, lora_metadata, read_lora_file
 from ...lora.formats import fit_rank, parse_lora
@@ -53,15 +54,29 @@ class LoRAForward:
                 with torch.inference_mode(False):  # else Module.to would make its parameters inference tensors
                     a.to(x.device)  # adapters are not submodules of the model: follow the input's device
         weight, bias, release = layer_weight(m, x)  # ComfyUI's cast, dequantized (fp8, scaled fp8, quant_ops)
+        fresh = weight is not m.weight and not isinstance(weight, torch.nn.Parameter)
         if torch.is_grad_enabled() and weight.is_inference():
             weight = weight.clone()  # autograd cannot save inference tensors (weights loaded inside a node)
             bias = None if bias is None else bias.clone()
+            fresh = True
+        if fresh and torch.is_grad_enabled() and x.requires_grad:
+            # a copy made for this call: the backward casts it again rather than keeping it (lora.linear.recomputable)
+            recomputable(weight, _recast(m, x.new_empty(0)))
         if isinstance(m, torch.nn.Conv2d):  # adapter 'locon' (lora.locon)
             out = lora_conv2d(x, weight, bias, ConvGeometry(m.stride, m.padding, m.dilation, m.groups), self.adapters)
         else:
             out = lora_linear(x, weight, bias, self.adapters)
         release()
         return out
+
+
+def _recast(module: torch.nn.Module, probe: torch.Tensor):
+    """The base weight of ``module`` cast again as ``layer_weight`` casts it for an input like ``probe`` (its
+    dtype and device only): (weight, release) for the backward of ``lora.linear``'s base GEMM."""
+    def recast() -> tuple[torch.Tensor, object]:
+        weight, _bias, release = layer_weight(module, probe)
+        return weight, release
+    return recast
 
 
 def linear_layers(model) -> dict[str, tuple[int, int]]:
