@@ -11,7 +11,10 @@ before comfy-kitchen) up to the 0.33 series; both ends are tested (``scripts/tes
   ``comfy.model_management.in_training``), and the Flux kernel rejects float64. ``model_gradients()``
   sets ``in_training`` and routes those ops to comfy-kitchen's own plain-PyTorch implementations while
   gradients (or float64) are involved, and only then: inference keeps the fused kernels. Everything it
-  changes is restored on exit, on error and on interrupt alike.
+  changes is restored on exit, on error and on interrupt alike. The other comfy-kitchen ops ComfyUI's code
+  calls run only where the pack needs no gradients (VAE decoding, quantization, int8 kernels ComfyUI skips
+  while training); each is refused with its name and reason if a tensor that needs gradients ever reaches it
+  (``KITCHEN_REFUSED_OPS``). ``tests/comfy/test_kitchen_ops.py`` reads ComfyUI's source for the list.
 - **Flux config.** ``FluxParams`` gained a required ``txt_ids_dims`` (0.4+); 0.3.75 rejects the key.
   ``fit_flux_config`` writes exactly the keys the running version accepts.
 - **Attention backends without a backward.** 0.33 added ``attention3_sage`` and
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import re
 import threading
@@ -43,6 +47,33 @@ NO_BACKWARD_ATTENTION = ("attention_sage", "attention3_sage", "attention_flash",
 KITCHEN_ROPE_OPS = ("apply_rope", "apply_rope1", "apply_rope_split_half", "apply_rope_split_half1",
                     "rms_rope", "rms_rope1", "rms_rope_split_half", "rms_rope_split_half1",
                     "rms_rope_", "rms_rope_split_half_", "rms_adaln")
+_INT8_ATTENTION = ("attention backend comfy_kitchen_int8 (--use-ck-attention), which has no backward",
+                   "pick backend sdpa (or auto, which runs sdpa while gradients are needed) on Patch Attention, "
+                   "or start ComfyUI without --use-ck-attention")
+_QUANTIZE = ("quantizing a weight or, inside ComfyUI's quantized Linear autograd function, an activation",
+             "train on a bf16/fp16/fp32 or fp8 base model (Load Diffusion Model (Precision) weight_dtype)")
+# comfy-kitchen ops ComfyUI calls where the pack needs no gradients: (where ComfyUI calls it, the fix). Each
+# has no autograd formula and no plain-PyTorch twin here; a call with a tensor that needs gradients is
+# refused with this text instead of silently giving the LoRA wrong gradients.
+KITCHEN_REFUSED_OPS: dict[str, tuple[str, str]] = {
+    "na3d": ("LTXV's VAE decoder (neighbourhood attention)", "training never decodes through the VAE: "
+             "decode previews and samples outside the training step"),
+    "int8_attention": _INT8_ATTENTION,
+    "prequantize_int8_attention": _INT8_ATTENTION,
+    "int8_attention_from_prequantized": _INT8_ATTENTION,
+    "int8_linear": ("ComfyUI's int8 Linear forward, which ComfyUI itself skips while training "
+                    "(model_management.in_training)", _QUANTIZE[1]),
+    "quantize_per_tensor_fp8": _QUANTIZE,
+    "quantize_mxfp8": _QUANTIZE,
+    "quantize_nvfp4": _QUANTIZE,
+    "stochastic_rounding_fp8": ("rounding patched weights to fp8 (ComfyUI's weight patching)",
+                                "keep the LoRA being trained unmerged (Attach LoRA / Train LoRA do)"),
+    "flash_attention_decode": ("the Llama-family text encoders' token-by-token decoding (text generation)",
+                               "encode prompts before training (Train LoRA's conditioning input)"),
+}
+# attributes of comfy_kitchen that ComfyUI reads which are not tensor ops: backend set-up, constants, types
+KITCHEN_NOT_OPS = ("registry", "float_utils", "tensor", "list_backends", "int8_attention_is_available",
+                   "flash_attention_decode_is_available")
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -101,16 +132,41 @@ def _needs_plain_path(args: tuple, kwargs: dict) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _needs_gradients(args: tuple, kwargs: dict) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values()))
+
+
+def refused(name: str, fused: Callable[..., Any]) -> Callable[..., Any]:
+    """``fused`` (the comfy-kitchen op ``name`` of KITCHEN_REFUSED_OPS), refusing calls that need gradients."""
+    where, fix = KITCHEN_REFUSED_OPS[name]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if _needs_gradients(args, kwargs):
+            raise RuntimeError(
+                f"[Precision LoRA] training reached comfy-kitchen op '{name}' ({where}) with a tensor that needs "
+                "gradients: it has no backward and the pack has no plain-PyTorch route for it, so the LoRA would "
+                f"get wrong gradients. Fix: {fix}.")
+        return fused(*args, **kwargs)
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.precision_lora_refused = fused  # type: ignore[attr-defined]
+    return refuse
+
+
 class _KitchenRouter:
-    """Stands in for the ``comfy_kitchen`` module inside ``comfy.quant_ops`` while the pack trains:
-    the rotary ops go to comfy-kitchen's plain-PyTorch implementation when gradients or float64 are
-    involved, to the fused kernel otherwise; every other attribute is the module's own."""
+    """Stands in for the ``comfy_kitchen`` module inside ComfyUI's modules while the pack trains: the
+    rotary/adaln ops go to comfy-kitchen's plain-PyTorch implementation when gradients or float64 are
+    involved, to the fused kernel otherwise; the ops of KITCHEN_REFUSED_OPS refuse calls that need
+    gradients; every other attribute is the module's own."""
 
     def __init__(self, kitchen: Any, plain: Any) -> None:
         self._kitchen, self._plain = kitchen, plain
 
     def __getattr__(self, name: str) -> Any:
         fused = getattr(self._kitchen, name)
+        if name in KITCHEN_REFUSED_OPS and callable(fused):
+            return refused(name, fused)
         if name not in KITCHEN_ROPE_OPS or not hasattr(self._plain, name):
             return fused
         plain = getattr(self._plain, name)
@@ -139,19 +195,32 @@ def _kitchen_holder() -> tuple[Any, Any] | None:
     else None (0.3.75)."""
     try:
         import comfy.quant_ops as quant_ops
-        from comfy_kitchen.backends.eager import adaln, rope
+        # by module path: the eager package's ``adaln`` attribute is its adaln function, not the module
+        rope = importlib.import_module("comfy_kitchen.backends.eager.rope")
+        adaln = importlib.import_module("comfy_kitchen.backends.eager.adaln")
     except ImportError:
         return None
     return (quant_ops, _PlainKitchen(rope, adaln)) if hasattr(quant_ops, "ck") else None
 
 
-def _direct_kitchen_users(kitchen: Any) -> list[Any]:
-    """ComfyUI model modules that imported ``comfy_kitchen`` itself (JoyImage: ``comfy_kitchen.rms_rope``)
-    rather than going through ``comfy.quant_ops.ck``."""
+def _direct_kitchen_users(kitchen: Any, router: Any) -> list[tuple[Any, str, Any]]:
+    """(module, attribute, value, stand-in) of ComfyUI modules that hold comfy-kitchen themselves rather than going
+    through ``comfy.quant_ops.ck``: the module (JoyImage's ``comfy_kitchen.rms_rope``, LTXV's VAE decoder,
+    the int8 attention backend, the Llama text encoder), or one of its refused ops bound at import
+    (``comfy.float``'s stochastic rounding); with the stand-in each gets while the pack trains."""
     import sys
 
-    return [m for n, m in list(sys.modules.items())
-            if n.startswith("comfy.ldm") and m is not None and getattr(m, "comfy_kitchen", None) is kitchen]
+    ops = {id(getattr(kitchen, n, None)): n for n in KITCHEN_REFUSED_OPS if callable(getattr(kitchen, n, None))}
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("comfy.") or name == "comfy.quant_ops" or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if value is kitchen:
+                found.append((module, attr, value, router))
+            elif id(value) in ops:
+                found.append((module, attr, value, refused(ops[id(value)], value)))
+    return found
 
 
 _depth = 0
@@ -173,9 +242,9 @@ def _enter() -> None:
             quant_ops, plain = holder
             _saved["ck"] = quant_ops.ck
             quant_ops.ck = _KitchenRouter(quant_ops.ck, plain)
-            _saved["direct"] = _direct_kitchen_users(_saved["ck"])
-            for module in _saved["direct"]:
-                module.comfy_kitchen = quant_ops.ck
+            _saved["direct"] = _direct_kitchen_users(_saved["ck"], quant_ops.ck)
+            for module, attr, _, stand_in in _saved["direct"]:
+                setattr(module, attr, stand_in)
 
 
 def _exit() -> None:
@@ -189,8 +258,8 @@ def _exit() -> None:
         if "ck" in _saved:
             import comfy.quant_ops as quant_ops
 
-            for module in _saved.pop("direct", []):
-                module.comfy_kitchen = _saved["ck"]
+            for module, attr, value, _ in reversed(_saved.pop("direct", [])):
+                setattr(module, attr, value)
             quant_ops.ck = _saved.pop("ck")
 
 
