@@ -97,16 +97,18 @@ def _conditioning(model: Any, nodes: Any, tokens: int) -> list:
 
 def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: str = "attention",
              tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_gemm: bool = False,
-             device: Any = None, on_second_step: Callable[[], None] | None = None) -> dict:
+             device: Any = None, on_second_step: Callable[[], None] | None = None, offload: bool = False) -> dict:
     """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds) at a
     square ``size`` with ``tokens`` text tokens; the step is the pack's (``memory_estimate.run_step``).
     ``cuda_gemm`` (fake tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no
     fp32 copies of the operands; the CPU path upcasts them, a temporary a GPU never makes). ``device``:
-    where the inputs go (the model's device; default cpu); ``on_second_step``: called before the tracked steps."""
+    where the inputs go (the model's device; default cpu); ``on_second_step``: called before the tracked steps;
+    ``offload``: the checkpointed blocks' inputs wait for backward in host memory (``offload_block_inputs``)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    settings = _pack("training.settings").TrainSettings(gradient_checkpointing=checkpointing)
+    settings = _pack("training.settings").TrainSettings(gradient_checkpointing=checkpointing,
+                                                        offload_block_inputs=offload and checkpointing)
     cfg = _pack("lora.config").LoRAConfig(rank=rank, alpha=float(rank), targets=targets,
                                           fp32_accumulation=fp32_accumulation)
     with torch.inference_mode(False), unset_fake_temporarily():  # real (small) inputs: the data checks read values
@@ -134,14 +136,15 @@ def fake_model(name: str, base: str) -> tuple[Any, Any]:
     return mode, model
 
 
-def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, targets: str) -> dict:
+def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, targets: str,
+            offload: bool = False) -> dict:
     """``run_step`` of the released model ``name`` at real size, on fake tensors."""
     import memory_models
 
     mode, model = fake_model(name, base)
     with mode:
         return run_step(model, size=size, rank=rank, checkpointing=checkpointing, targets=targets,
-                        tokens=memory_models.MODELS[name].text_tokens, cuda_gemm=True)
+                        tokens=memory_models.MODELS[name].text_tokens, cuda_gemm=True, offload=offload)
 
 
 def step_cost(run: dict):
@@ -188,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default="bf16", choices=list(BASES), help="base weights: bf16, or fp8 e4m3fn computed in bf16")
     p.add_argument("--targets", default="attention", help="LoRA targets preset (lora/targets.py)")
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of the blocks")
+    p.add_argument("--offload-inputs", action="store_true", help="with --checkpointing: the checkpointed blocks' "
+                   "inputs wait for backward in host memory (Train Settings' offload_block_inputs)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--swap-blocks", type=int, default=0, help="blocks kept in host memory (a model of the plan)")
     group.add_argument("--budget", type=float, default=0.0, help="GiB the step must fit: the cheapest plan that fits")
@@ -204,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, refused with a clear message (exit 2) where it asks for something impossible."""
     p = _parser()
     args = p.parse_args(argv)
+    if args.offload_inputs and not args.checkpointing:
+        p.error("--offload-inputs needs --checkpointing: only a checkpointed block's inputs wait for backward")
     if args.swap_blocks and not args.checkpointing:
         p.error(f"--swap-blocks {args.swap_blocks} needs --checkpointing: without it the backward needs every "
                 "block's weights resident")
@@ -229,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def runs(ckpt: bool) -> dict:
         if ckpt not in cache:
-            cache[ckpt] = tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets)
+            cache[ckpt] = tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets,
+                                  args.offload_inputs)
         return cache[ckpt]
 
     if args.budget_list:
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         result = plan_figures(runs(args.checkpointing), args.checkpointing, args.swap_blocks)
     result = {"model": args.model, "size": args.size, "rank": args.rank, "base": args.base,
-              "targets": args.targets, "budget_gib": args.budget or None, **result}
+              "targets": args.targets, "budget_gib": args.budget or None, "offload_block_inputs": args.offload_inputs,
+              **result}
     # each estimated step's costs (training.memory_plan.StepCost), to plan other budgets without a new run
     result["step_costs"] = {("checkpointing" if c else "plain"): vars(step_cost(r)) for c, r in cache.items()}
     if args.device == "cuda":
@@ -261,7 +270,8 @@ def _print(r: dict) -> None:
         print(f"no plan fits {r['budget_gib']} GiB: the smallest, {r['smallest_gib']} GiB, is with every block "
               "swapped; use --base fp8, a smaller size or a larger budget")
         return
-    print(f"plan: {r['plan']}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
+    inputs = ", block inputs in host memory" if r.get("offload_block_inputs") and r.get("checkpointing") else ""
+    print(f"plan: {r['plan']}{inputs}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
     for key in ("weights_gib", "lora_gib", "optimizer_gib", "activations_gib", "tracked_gib", "overhead_gib", "peak_gib"):
         print(f"  {key[:-4]:<12}{r[key]:>9.2f} GiB")
     print(f"  (overhead: CUDA context {mp.CUDA_CONTEXT_GIB} + workspaces {mp.WORKSPACE_GIB} GiB + "

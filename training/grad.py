@@ -16,7 +16,8 @@
   (the residual stream the block modifies in place); everything else it saves is kept as it is.
   Every tensor kept without a copy has its version checked at unpack: an in-place write after the save
   raises instead of giving wrong gradients (autograd skips its own check when hooks are installed).
-  Forwards are restored on exit.
+  Forwards are restored on exit. ``offload_inputs`` keeps the kept inputs that carry gradient in host
+  memory until backward (the block inputs of Flux.1-dev at 1024 px are ~1.5 GiB of its peak).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
@@ -181,7 +183,43 @@ class RNGState(Protocol):
     def set_state(self, state: Any) -> None: ...
 
 
-def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> Any:
+class _OnHost:
+    """A checkpointed block's input kept in host memory until backward: the host copy (None for a fake
+    tensor: the estimate only needs it off the device) and what the device copy made again looks like."""
+
+    __slots__ = ("host", "device", "shape", "dtype", "requires_grad")
+
+    def __init__(self, host: torch.Tensor | None, t: torch.Tensor) -> None:
+        self.host, self.device, self.shape, self.dtype = host, t.device, t.shape, t.dtype
+        self.requires_grad = t.requires_grad
+
+
+def _to_host(t: torch.Tensor) -> Any:
+    """Pack: an input that carries gradient goes to (pinned, on CUDA) host memory, copied on the current
+    stream (ordered before any reuse of its device memory); the rest (Flux's shared ``pe``, ``vec``) is kept
+    as ``_keep`` keeps it. On a CPU device the copy is host to host: the path runs, nothing is saved."""
+    if isinstance(t, nn.Parameter) or not t.requires_grad:
+        return _keep(t)
+    if isinstance(t, FakeTensor):
+        return _OnHost(None, t)
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    host.copy_(t.detach(), non_blocking=t.is_cuda)
+    return _OnHost(host, t)
+
+
+def _from_host(saved: Any) -> torch.Tensor:
+    """Unpack: the host copy back on its device (a leaf with the input's requires_grad, which the
+    recomputation's ``detach_variable`` reads)."""
+    if not isinstance(saved, _OnHost):
+        return _checked(saved)
+    if saved.host is None:
+        t = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+    else:
+        t = saved.host.to(saved.device, non_blocking=saved.host.is_pinned(), copy=True)
+    return t.requires_grad_(saved.requires_grad)
+
+
+def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None, offload_inputs: bool = False) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -215,7 +253,8 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> An
                 rng.set_state(now)
 
         # the inputs are kept as they are (an enclosing clone_saved_tensors would copy each, pe included)
-        with torch.autograd.graph.saved_tensors_hooks(_keep, _checked):
+        hooks = (_to_host, _from_host) if offload_inputs else (_keep, _checked)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
             return checkpoint(body, *tensors, use_reentrant=True, preserve_rng_state=True)
 
     return run
@@ -224,7 +263,7 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None) -> An
 
 @contextlib.contextmanager
 def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
-                      rng: RNGState | None = None) -> Iterator[int]:
+                      rng: RNGState | None = None, offload_inputs: bool = False) -> Iterator[int]:
     """Reentrant activation checkpointing on each module of ``blocks`` for the body; yields the count.
 
     ``in_place_adds``: the blocks add residuals in place (e.g. Flux), so the recomputation runs on copies
@@ -232,6 +271,8 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
     of place) skips the copies.
     ``rng``: explicit generators the blocks draw from (LoRA dropout): the recomputation replays their
     draws, which torch's ``preserve_rng_state`` does not, and leaves them where the forward left them.
+    ``offload_inputs``: the kept inputs that carry gradient (the residual streams, the bulk of what
+    checkpointing keeps) wait for backward in host memory (``_to_host``), not on the device.
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
     again on exit, so the shared model is unchanged afterwards.
     """
@@ -239,7 +280,7 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
     try:
         for block in blocks:
             previous = block.__dict__.get("forward")
-            block.forward = _checkpointed(block.forward, in_place_adds, rng)  # type: ignore[method-assign]
+            block.forward = _checkpointed(block.forward, in_place_adds, rng, offload_inputs)  # type: ignore[method-assign]
             patched.append((block, previous))
         yield len(patched)
     finally:

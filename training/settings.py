@@ -68,6 +68,7 @@ class TrainSettings:
     ema_save: str = "beside"        # EMA_SAVE: "beside" (extra file) or "as_lora" (the LoRA is the EMA)
     ema_preview: bool = False       # previews sample with the EMA weights
     swap_blocks: int = 0            # frozen blocks streamed from host memory (training.swap); 0 = off
+    offload_block_inputs: bool = False  # checkpointed blocks' inputs wait for backward in host memory
     vram_budget_gb: str = "0"       # "0"/"off", "auto" or GiB: the memory planner picks checkpointing + swap_blocks
 
     def __post_init__(self) -> None:
@@ -139,6 +140,12 @@ class TrainSettings:
             raise _err("ema_decay", self.ema_decay, f"an EMA on top of the schedule-free optimizer "
                        f"{self.optimizer!r} is not offered: schedule-free already averages its iterates (its "
                        "averaged weights are what is saved and previewed); set ema_decay to 0 or choose another optimizer")
+        if not isinstance(self.offload_block_inputs, bool):
+            raise _err("offload_block_inputs", self.offload_block_inputs, "must be true or false")
+        if self.offload_block_inputs and not self.gradient_checkpointing:
+            raise _err("offload_block_inputs", self.offload_block_inputs, "needs gradient_checkpointing on (only a "
+                       "checkpointed block's inputs wait for backward); turn gradient_checkpointing on or set "
+                       "offload_block_inputs to false")
         if self.swap_blocks > 0 and not self.gradient_checkpointing:
             raise _err("swap_blocks", self.swap_blocks, "needs gradient_checkpointing on (the backward recomputes a "
                        "swapped block to read its streamed weights again); turn gradient_checkpointing on or set "

@@ -226,7 +226,8 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
                 p.requires_grad_(False)
             # swap outside checkpointing: the recomputation passes through the swap's wrappers too
             with swap_glue.streaming(swapped, device), \
-                    checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng):
+                    checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng,
+                                      offload_inputs=settings.offload_block_inputs):
                 yield device
     finally:
         for p, flag in frozen:

@@ -118,7 +118,8 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
                     p.requires_grad_(False)
                 lora_set.train(True)
                 blocks = grad.find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
-                with grad.checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(attached), rng=lora_set.rng):
+                with grad.checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(attached), rng=lora_set.rng,
+                                            offload_inputs=settings.offload_block_inputs):
                     def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
                         out = fns.predict(*args)
                         counter.setdefault("forward", counter.get("flops", 0))

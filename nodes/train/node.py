@@ -100,6 +100,11 @@ def _settings_inputs() -> list:
                      tooltip="Block swap: keep this many transformer blocks in host memory and stream each to the "
                              "GPU just before it runs (forward and backward), for far less VRAM at some speed. "
                              "Needs gradient_checkpointing; at most the model's block count - 1. 0 = off."),
+        io.Boolean.Input("offload_block_inputs", default=DEFAULTS.offload_block_inputs, optional=True,
+                         tooltip="With gradient_checkpointing: each checkpointed block's inputs (what checkpointing "
+                                 "keeps, ~1.5 GiB for Flux.1-dev at 1024 px) wait for backward in pinned host memory "
+                                 "instead of VRAM, copied back when the block is recomputed. Gradients unchanged; "
+                                 "costs one host copy per block each way. On a CPU device it saves nothing."),
         io.String.Input("vram_budget_gb", default=DEFAULTS.vram_budget_gb, optional=True,
                         tooltip="VRAM the run may use, in GiB (e.g. 12), 'auto' (the GPU's free memory plus what "
                                 "ComfyUI can free) or 0 / off. When set, Train LoRA estimates this model's training "

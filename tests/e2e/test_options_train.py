@@ -236,6 +236,8 @@ def test_batching_accumulation_checkpointing_and_nan_policy(opts):
         "base": train_graph({}, steps=2, name="o_b_base", batch=2),
         "gc": train_graph({"gradient_checkpointing": True}, steps=2, name="o_b_gc", batch=2),
         "swap": train_graph({"gradient_checkpointing": True, "swap_blocks": 1}, steps=2, name="o_b_swap", batch=2),
+        "offload": train_graph({"gradient_checkpointing": True, "offload_block_inputs": True}, steps=2,
+                               name="o_b_offload", batch=2),
         "stop": train_graph({"nan_policy": "stop", "nan_patience": 2}, steps=2, name="o_b_stop", batch=2),
         "batch": train_graph({"batch_size": 2}, steps=2, name="o_b_batch", batch=2),
         "accum": train_graph({"grad_accum": 2}, steps=2, name="o_b_accum", batch=2),
@@ -244,6 +246,7 @@ def test_batching_accumulation_checkpointing_and_nan_policy(opts):
     # recomputing the blocks in backward and a NaN policy that never fires leave the run as it was
     assert_same(runs["gc"][0], base, atol=1e-7)
     assert_same(runs["swap"][0], runs["gc"][0], atol=0.0)  # streamed blocks: the checkpointed run, bit for bit
+    assert_same(runs["offload"][0], runs["gc"][0], atol=0.0)  # block inputs kept on the host: the same, bit for bit
     assert_same(runs["stop"][0], base)
     for key in ("batch", "accum"):  # both samples in every step: another run, still finite
         tensors, steps = runs[key]

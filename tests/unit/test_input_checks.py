@@ -103,3 +103,14 @@ def test_collapse_leaves_host_entries_and_other_packs_alone_and_keeps_distinct_m
     assert [e["extra_info"]["input_name"] for e in out[3:]] == ["rank", "seed"]
     body = {"error": {}, "node_errors": {"7": {"errors": ours, "class_type": "N"}}}
     assert len(_gate_errors().collapse_response(body)["node_errors"]["7"]["errors"]) == 1
+
+
+def test_offload_block_inputs_needs_checkpointing_and_a_bool():
+    """offload_block_inputs without gradient_checkpointing is refused naming the input and the fix (only a
+    checkpointed block's inputs wait for backward); a non-bool too; with checkpointing it is accepted."""
+    with pytest.raises(ValueError, match=r"offload_block_inputs=True: needs gradient_checkpointing on .* turn "
+                                         r"gradient_checkpointing on or set offload_block_inputs to false"):
+        TrainSettings(offload_block_inputs=True)
+    with pytest.raises(ValueError, match="offload_block_inputs='yes': must be true or false"):
+        TrainSettings(offload_block_inputs="yes", gradient_checkpointing=True)
+    assert TrainSettings(offload_block_inputs=True, gradient_checkpointing=True).offload_block_inputs is True

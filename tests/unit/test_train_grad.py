@@ -55,3 +55,44 @@ def test_checkpointed_gradients_equal_plain_ones_with_lora_dropout():
     for name in plain:
         torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-6, atol=1e-7, msg=name)
     torch.testing.assert_close(ckpt_next, plain_next, rtol=0, atol=0)
+
+
+class InPlaceBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # adds its residual in place, as Flux's blocks do
+        x += torch.tanh(self.adapter.forward_with_base(x, self.lin.weight, self.lin.bias))
+        return x
+
+
+def _offload_grads(offload: bool, in_place: bool, monkeypatch):
+    import training.grad as g
+
+    lora, blocks = _toy(dropout=0.25)
+    if in_place:
+        blocks = nn.ModuleList(InPlaceBlock(b.lin, b.adapter) for b in blocks)
+    made: list = []
+    pack = g._to_host
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    with monkeypatch.context() as mp, \
+            checkpoint_blocks(list(blocks)[:-1], in_place_adds=in_place, rng=lora.rng, offload_inputs=offload):
+        mp.setattr(g, "_to_host", lambda t: made.append(pack(t)) or made[-1])
+        h = x * 1.0
+        for b in blocks:
+            h = b(h)
+        h.pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in lora.named_parameters()}, x.grad.clone(), made
+
+
+def test_offloaded_block_inputs_give_bit_identical_gradients(monkeypatch):
+    """``offload_inputs``: the kept block inputs wait for backward in host memory (on this CPU a host copy,
+    so the path runs); LoRA and input gradients equal the kept-on-device run bit for bit."""
+    import training.grad as g
+
+    for in_place in (False, True):
+        kept, kept_x, none = _offload_grads(False, in_place, monkeypatch)
+        moved, moved_x, made = _offload_grads(True, in_place, monkeypatch)
+        assert none == [] and len(made) == 2, made  # two checkpointed blocks, one input each
+        assert all(isinstance(m, g._OnHost) and m.host is not None for m in made)
+        assert torch.equal(kept_x, moved_x)
+        for name in kept:
+            assert torch.equal(kept[name], moved[name]), name
+        assert any(v.abs().sum() > 0 for v in moved.values())
