@@ -31,7 +31,7 @@ from ...attention.config import AttentionConfig
 from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ...attention.stats import AttentionStats
 from ..host.comfy_compat import has_backward
-from .reach import WRAPPER_KEY, ConditioningReach, inside_attention, reach_wrapper
+from .reach import WRAPPER_KEY, ConditioningInjection, inside_attention, reach_wrapper
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +211,8 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     wrappers[apply_model] = {**wrappers.get(apply_model, {}), WRAPPER_KEY: [reach_wrapper]}
     options["wrappers"] = wrappers
     # attention that runs while ComfyUI prepares the conditioning (Anima's LLM adapter in extra_conds)
-    if getattr(clone.model, "extra_conds", None) is not None:
-        clone.add_object_patch("extra_conds", ConditioningReach(clone.get_model_object("extra_conds"), options))
+    reach = ConditioningInjection(options)
+    clone.set_injections(WRAPPER_KEY, [comfy.patcher_extension.PatcherInjection(reach.inject, reach.eject)])
     log.info("[Precision LoRA] attention patched: backend=%s scale_mode=%s scale_value=%s",
              cfg.backend, cfg.scale_mode, cfg.scale_value)
     return clone

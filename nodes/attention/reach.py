@@ -12,8 +12,9 @@ attention calls that pass ``transformer_options``. Two kinds of call do not (Com
 
 Anima's adapter runs inside the model's forward outside inference mode (training), but while sampling
 ComfyUI runs it once per prompt in ``Anima.extra_conds``, while it prepares the conditioning, before
-``apply_model``. ``ConditioningReach`` is an object patch on the patched clone's ``extra_conds`` that runs
-it inside ``reach_options`` too, so the adapter takes the same attention in sampling as in training.
+``apply_model``. ``ConditioningInjection`` (a ComfyUI injection on the patched clone) runs the model's
+``extra_conds`` inside ``reach_options`` too while the clone is loaded, so the adapter takes the same
+attention in sampling as in training.
 
 ``reach_wrapper`` is a ComfyUI ``apply_model`` wrapper (``WrappersMP.APPLY_MODEL``) that
 ``patch_attention`` adds to the patched clone's transformer_options only. For the duration of that model's forward it:
@@ -214,22 +215,48 @@ def reach_wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         return executor(*args, **kwargs)
 
 
-class ConditioningReach:
-    """ComfyUI object patch for a model's ``extra_conds`` (``ModelPatcher.add_object_patch``: in place only
-    while the patched clone is loaded, as when ComfyUI's sampler prepares the conditioning): the original
-    runs inside ``reach_options(options)``, so attention computed there (Anima's LLM adapter) reaches the
-    override as it does inside the forward."""
+_ABSENT = object()
 
-    def __init__(self, extra_conds: Callable[..., Any], options: dict) -> None:
-        # a clone of a patched model patched again: wrap the model's own function, not the earlier override's
-        self.extra_conds = extra_conds.extra_conds if isinstance(extra_conds, ConditioningReach) else extra_conds
-        self.options = options
+
+class ConditioningReach:
+    """A model's ``extra_conds`` run inside ``reach_options(options)``, so attention computed there (Anima's
+    LLM adapter) reaches the override as it does inside the forward."""
+
+    def __init__(self, extra_conds: Callable[..., Any], options: dict, replaced: Any) -> None:
+        self.extra_conds, self.options = extra_conds, options
+        self.replaced = replaced  # the model's own attribute before (an object patch), or _ABSENT
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _OPTIONS.get() is self.options:
             return self.extra_conds(*args, **kwargs)
         with reach_options(self.options):
             return self.extra_conds(*args, **kwargs)
+
+
+class ConditioningInjection:
+    """``inject`` / ``eject`` of a ComfyUI ``PatcherInjection``: while the patched clone is loaded (as when
+    ComfyUI's sampler prepares the conditioning) its model's ``extra_conds`` is a ``ConditioningReach``.
+    It acts on the patcher it is handed, so a clone that ComfyUI deep-copies wraps its own model."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+
+    def inject(self, patcher: Any) -> None:
+        model = patcher.model
+        replaced = vars(model).get("extra_conds", _ABSENT)
+        if getattr(model, "extra_conds", None) is None or isinstance(replaced, ConditioningReach):
+            return
+        model.extra_conds = ConditioningReach(model.extra_conds, self.options, replaced)
+
+    def eject(self, patcher: Any) -> None:
+        model = patcher.model
+        current = vars(model).get("extra_conds")
+        if not isinstance(current, ConditioningReach):
+            return
+        if current.replaced is _ABSENT:
+            del model.extra_conds
+        else:
+            model.extra_conds = current.replaced
 
 
 def installed() -> bool:

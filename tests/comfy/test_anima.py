@@ -13,6 +13,7 @@ reason. Measured figures for docs/anima.md: run with ``-o log_cli=true --log-cli
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -215,8 +216,8 @@ class SdpaSpy:
 def test_scale_reaches_every_attention_call_the_adapter_included(ours, mods, monkeypatch):
     """DiT attention: every call goes through the override. LLM adapter: it calls
     F.scaled_dot_product_attention itself, and while sampling ComfyUI runs it in ``Anima.extra_conds``
-    (outside apply_model, once per prompt); Patch Attention's ``extra_conds`` object patch
-    (``nodes/attention/reach.py: ConditioningReach``) hands those calls to the override too. All 44 calls of
+    (outside apply_model, once per prompt); Patch Attention's injection on the clone
+    (``nodes/attention/reach.py: ConditioningInjection``) hands those calls to the override too. All 44 calls of
     one sampler step (20 DiT + 2 prompts x 12 adapter) take the scale, as a reference forward at that scale
     computes them, and the adapter's output changes with it."""
     import comfy.ldm.anima.model as anima_model
@@ -251,7 +252,37 @@ def test_scale_reaches_every_attention_call_the_adapter_included(ours, mods, mon
     err = (got - expected).abs().max().item() / expected.abs().max().item()
     assert err < SCALE_TOL, f"relative error {err:.2e} against the reference forward at 2x scale"
     assert (default - expected).abs().max().item() > 100 * SCALE_TOL * expected.abs().max().item()
-    assert model.get_model_object("extra_conds") == model.model.extra_conds  # the source model is untouched
+    assert "extra_conds" not in vars(model.model)  # ejected: the source model samples with its own
+    # a copy of the patched clone on another model (ComfyUI's deep copies) wraps that model's own extra_conds
+    other = copy.copy(model.model)
+    injection = patched.get_injections("precision_lora_attention_reach")[0]
+    injection.inject(type("Patcher", (), {"model": other})())
+    assert other.extra_conds.extra_conds.__self__ is other
+    injection.eject(type("Patcher", (), {"model": other})())
+    assert "extra_conds" not in vars(other)
+
+
+def test_training_forward_sends_the_adapter_calls_to_the_override_too(ours, mods):
+    """Outside inference mode (a training step) the adapter runs inside the model's forward: its 12 direct SDPA
+    calls reach the override there as well, so training and sampling use the same adapter attention."""
+    base = mods.aglue.patch_attention(ours[0], mods.AttentionConfig(backend="sdpa", scale_mode="multiplier",
+                                                                    scale_value=1.25, collect_stats=True))
+    with torch.inference_mode():
+        model, lora_set = mods.tglue.fork_lora(attach(base, "attention", rank=4))
+    latent, cond = make_latent(base, 1, width=32, height=32), make_conditioning(base, 1)
+    settings = mods.Settings()
+    stats = mods.aglue.get_attention_stats(model)
+    with torch.inference_mode(), mods.tglue.training_session(model, lora_set, settings) as device:
+        (sample,) = mods.tdata.build_samples(model, [latent], [cond], None, device)
+        fns = mods.tglue.model_fns(model, lora_set, settings, device)
+        x0 = sample.latent[None]
+        noise, sigma = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)), torch.tensor([0.6])
+        before = stats.total().calls
+        pred = fns.predict(fns.noise_latent(sigma, noise, x0), sigma, fns.collate([sample.cond]))
+        calls = stats.total().calls - before
+        pred.square().mean().backward()
+    assert calls == 20 + 12  # DiT + the adapter, run inside this forward
+    assert model.model_options["transformer_options"]["optimized_attention_override"].unreached() == {}
 
 
 def test_presets_leave_the_adapter_out_and_include_adds_it(ours, mods):
