@@ -115,6 +115,19 @@ def test_every_kitchen_op_comfyui_calls_is_routed_or_refused(compat, uses):
     assert not both, f"in more than one table: {both}"
 
 
+def test_an_op_a_future_comfyui_calls_is_caught(compat, monkeypatch):
+    """The scan on a made-up module that calls a new op in each style: every one is found, and none is in a
+    table, so the first test would fail on such a ComfyUI."""
+    fake = ("import comfy.quant_ops\nimport comfy_kitchen as kit\nfrom comfy_kitchen import fused_new_c\n"
+            "y = comfy.quant_ops.ck.fused_new_a(x)\nz = kit.fused_new_b(y)\n")
+    monkeypatch.setattr(sys.modules[__name__], "_sources", lambda: iter([("comfy.ldm.future.model", fake)]))
+    found = kitchen_uses()
+    assert found == {"fused_new_a": ["comfy.ldm.future.model:4"], "fused_new_b": ["comfy.ldm.future.model:5"],
+                     "fused_new_c": ["comfy.ldm.future.model:3"]}
+    tables = (*compat.KITCHEN_ROPE_OPS, *compat.KITCHEN_REFUSED_OPS, *compat.KITCHEN_NOT_OPS)
+    assert not set(found) & set(tables)
+
+
 def test_names_that_are_no_op_are_no_tensor_op(uses, compat):
     import comfy_kitchen
 
