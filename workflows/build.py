@@ -56,6 +56,10 @@ REAL_TRAIN_NOTE = (
     "   and restarts read them back (a changed image, caption or encoder is encoded again). One latent and\n"
     "   one conditioning per image; images of different sizes train in one run.\n\n"
     "Then Run. Weights load in the file's own dtype (weight_dtype default); the LoRA trains in fp32.\n"
+    "Train Settings' vram_budget_gb=auto fits the run to your GPU: before loading the model, Train LoRA\n"
+    "estimates its training step and turns on gradient checkpointing and block swap as far as needed; the\n"
+    "node shows the plan (e.g. 'checkpointing, 14 of 56 blocks swapped: est. 11.6 GiB of 12'). Set a number\n"
+    "of GiB to leave room for other programs, or 0 to choose gradient_checkpointing / swap_blocks yourself.\n"
     "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
     "Attach LoRA: rank/alpha/targets. Train Settings: optimizer, lr schedule, timesteps, caption dropout.\n"
     "Every 250 steps a checkpoint lands in models/loras/my_lora/ as my_lora_step<N>.safetensors (every LoRA\n"
@@ -242,7 +246,8 @@ def real_train_spec() -> dict:
                 "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
             _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "seed": 0},
                   control={"seed": "fixed"}, size=[340, 500]),
-            _node(4, "PrecisionTrainSettings", [380, 550], {"checkpoint_every": 250}, size=[340, 850]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {"checkpoint_every": 250, "vram_budget_gb": "auto"},
+                  size=[340, 850]),
             _node(5, "DualCLIPLoader", [0, 450], {"clip_name1": REAL_CLIP_L, "clip_name2": REAL_T5, "type": "flux"},
                   size=[340, 130]),
             _node(6, "VAELoader", [0, 620], {"vae_name": REAL_VAE}, size=[340, 60]),

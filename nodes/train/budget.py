@@ -45,7 +45,8 @@ def auto_budget_gib(device: torch.device) -> float:
     """What "auto" means on a CUDA ``device`` (module docstring), in GiB."""
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    held = sum(lm.model_loaded_memory() for lm in mm.current_loaded_models if lm.device == device)
+    held = sum(lm.model_loaded_memory() for lm in mm.current_loaded_models
+               if lm.device == device and lm.model is not None)  # 0.33 holds dead models as None
     return (free + cached + held - mm.extra_reserved_memory()) / GIB + CUDA_CONTEXT_GIB
 
 
@@ -91,7 +92,7 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
     with torch.inference_mode(False):
         x0, conds = _batch(model, cfg, latents, conditioning)
     base = (_config_key(model), repr(lora), tuple(x0.shape), _shapes(conds[0]), cfg.optimizer, cfg.loss_weighting,
-            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cuda_gemm)
+            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cfg.offload_block_inputs, cuda_gemm)
     notes: list[str] = []
 
     def cost(checkpointing: bool) -> StepCost:
@@ -109,7 +110,8 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
 def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds: list, checkpointing: bool,
               cuda_gemm: bool) -> tuple[StepCost, str]:
     """The step's cost at ``checkpointing`` and a note for the report ("" when the estimate is as asked)."""
-    settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0")
+    settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0",
+                                   offload_block_inputs=cfg.offload_block_inputs and checkpointing)
     log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimating one training step of this model at "
              "its real size on the CPU (fake tensors, %s; a minute or two for a 12 B model)",
              "checkpointing" if checkpointing else "no checkpointing")

@@ -109,3 +109,36 @@ def test_malformed_budgets_are_refused_by_the_settings(pack_module, value):
                                            ("12", 12.0), ("0.5", 0.5), ("1e1", 10.0)])
 def test_budget_values(pack_module, value, parsed):
     assert pack_module("training.settings").TrainSettings(vram_budget_gb=value).budget == parsed
+
+
+def test_auto_on_cuda_is_free_plus_what_comfyui_can_free(pack_module, budget, one_thread, monkeypatch):
+    """'auto' on a CUDA device (mocked: no GPU needed, the estimate runs on the CPU anyway): free + torch's
+    cached + models held on that device - ComfyUI's reserve + the context allowance; then planned."""
+    import comfy.model_management as mm
+
+    gib = 2**30
+    cuda = torch.device("cuda", 0)
+
+    class Held:
+        device, model = cuda, object()
+
+        def model_loaded_memory(self):
+            return 3 * gib
+
+    class Elsewhere(Held):
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 1 * gib)
+    monkeypatch.setattr(mm, "current_loaded_models", [Held(), Elsewhere()])
+    monkeypatch.setattr(mm, "extra_reserved_memory", lambda: gib // 2)
+    assert budget.auto_budget_gib(cuda) == pytest.approx(10 + 1 + 3 - 0.5 + 0.6)
+    model = _attached(pack_module, _model(pack_module))
+    model.load_device = cuda  # only what the plan reads: nothing is loaded
+    latents, conds = _run_inputs(pack_module, model)
+    settings = pack_module("training.settings").TrainSettings(vram_budget_gb="auto", swap_blocks=0)
+    planned, line = budget.plan_budget(model, settings, latents, conds)
+    assert line.startswith("vram budget 14.1 GiB (auto: free on the device + what ComfyUI can free): bf16 base, "
+                           "no checkpointing: est. 0."), line
+    assert (planned.gradient_checkpointing, planned.swap_blocks) == (False, 0)
