@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,9 +50,11 @@ def auto_budget_gib(device: torch.device) -> float:
     return (free + cached + held - mm.extra_reserved_memory()) / GIB + CUDA_CONTEXT_GIB
 
 
-def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: list) -> tuple[TrainSettings, str | None]:
+def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: list,
+                say: Callable[[str], None] = lambda text: None) -> tuple[TrainSettings, str | None]:
     """``cfg`` with the plan's checkpointing and swap_blocks, and the report line; ``(cfg, None)`` when the
-    budget is off. ValueError with the numbers when no plan fits (before anything heavy is loaded)."""
+    budget is off. ValueError with the numbers when no plan fits (before anything heavy is loaded).
+    ``say``: shows progress (the node's text) before each estimate that is not cached."""
     budget = cfg.budget
     if budget is None:
         return cfg, None
@@ -64,7 +66,7 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
                          f"gradient_checkpointing={cfg.gradient_checkpointing} and swap_blocks={cfg.swap_blocks} "
                          "run as set")
         budget = round(auto_budget_gib(device), 2)
-    cost, notes = _cost_fn(model, cfg, latents, conditioning, cuda_gemm=device.type == "cuda")
+    cost, notes = _cost_fn(model, cfg, latents, conditioning, device.type == "cuda", say)
     plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing)
     what = f"vram budget {budget:g} GiB" + (" (auto: free on the device + what ComfyUI can free)" if auto else "")
     base = DTYPE_NAMES.get(model.model.get_dtype(), str(model.model.get_dtype()).replace("torch.", ""))
@@ -85,7 +87,8 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
     return planned, line + "".join(notes)
 
 
-def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool):
+def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool,
+             say: Callable[[str], None] = lambda text: None):
     """``cost(checkpointing)`` for ``choose`` (estimated lazily, cached) and the notes its estimates add to
     the report (filled as ``choose`` asks)."""
     lora = get_lora_set(model).config
@@ -98,6 +101,8 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
     def cost(checkpointing: bool) -> StepCost:
         key = (*base, checkpointing)
         if key not in _COSTS:
+            say(f"vram_budget_gb: estimating this model's training step at its real size on the CPU "
+                f"({'checkpointing' if checkpointing else 'no checkpointing'}) before loading it ...")
             _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_gemm)
         cost_, note = _COSTS[key]
         if note and note not in notes:

@@ -401,7 +401,8 @@ class PrecisionTrainLoRA(PrecisionNode):
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
          changes: tuple[str, ...] = ()):
-    cfg, plan = plan_budget(model, cfg, latents, conditioning)  # before anything is loaded onto the device
+    # before anything is loaded onto the device
+    cfg, plan = plan_budget(model, cfg, latents, conditioning, say=lambda text: _show_on_node(text, node_id))
     if plan is not None:
         log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan)
         lora_set.info["precision_lora_vram_plan"] = plan

@@ -71,12 +71,17 @@ def test_plans_follow_the_budget_and_estimates_are_cached(pack_module, budget, o
     calls = []
     real = budget.run_step
     monkeypatch.setattr(budget, "run_step", lambda *a, **k: calls.append(a[4].gradient_checkpointing) or real(*a, **k))
-    planned, line = budget.plan_budget(model, TrainSettings(vram_budget_gb="8", swap_blocks=0), latents, conds)
+    said = []
+    planned, line = budget.plan_budget(model, TrainSettings(vram_budget_gb="8", swap_blocks=0), latents, conds,
+                                       say=said.append)
+    assert said == [f"vram_budget_gb: estimating this model's training step at its real size on the CPU ({c}) "
+                    "before loading it ..." for c in ("checkpointing", "no checkpointing")]
     assert (planned.gradient_checkpointing, planned.swap_blocks) == (False, 0)
     assert line.startswith("vram budget 8 GiB: bf16 base, no checkpointing: est. 0.") and line.endswith(" GiB of 8"), line
     assert calls == [True, False]  # checkpointed first (choose's order), then the plain step
-    again, line2 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8.0"), latents, conds)
+    again, line2 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8.0"), latents, conds, say=said.append)
     assert calls == [True, False] and line2 == line and again.vram_budget_gb == "8.0"  # from the cache
+    assert len(said) == 2  # nothing to wait for
     kept, line3 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8", gradient_checkpointing=True),
                                      latents, conds)
     assert kept.gradient_checkpointing and "gradient_checkpointing on kept" in line3 and calls == [True, False]
