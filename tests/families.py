@@ -61,12 +61,23 @@ TINY: dict[str, dict] = {
                "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (32, 48, 48), "z_image_modulation": True},
     "MageFlow": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
                  "axes_dims_rope": (8, 12, 12)},
+    # The UNets (openaimodel's UNetModel): ComfyUI detects them from a state dict, so the class's unet_config
+    # holds only its match keys; the rest is what detection would give at this size.
+    "SD15": {"use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "legacy": False,
+             "use_spatial_transformer": True, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+             "transformer_depth": [1, 1], "transformer_depth_middle": 1, "transformer_depth_output": [1, 1, 1, 1],
+             "context_dim": 64, "num_heads": 2, "num_head_channels": -1},
+    "SDXL": {"use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "legacy": False,
+             "use_spatial_transformer": True, "num_classes": "sequential", "model_channels": 32,
+             "num_res_blocks": [1, 1], "channel_mult": [1, 2], "transformer_depth": [0, 1],
+             "transformer_depth_middle": 1, "transformer_depth_output": [0, 0, 1, 1], "context_dim": 64,
+             "num_head_channels": 16},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
-    "SD3": (64, 32), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
+    "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
 }
 # Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
 # ones ("int_mask": int64), or "text" (1, tokens, 64) like the context.
@@ -78,14 +89,24 @@ EXTRAS: dict[str, dict[str, str]] = {
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512}
 
 
+def _norm_gains(module: torch.nn.Module) -> set[str]:
+    """Names of the gains of every normalisation layer, found by class (GroupNorm, LayerNorm, RMSNorm, ...):
+    the UNets name theirs by index (``input_blocks.1.0.in_layers.0``, ``out.0``), Lumina's ``cap_embedder.0``."""
+    return {f"{owner}.{p}" if owner else p for owner, sub in module.named_modules() if "Norm" in type(sub).__name__
+            for p, _ in sub.named_parameters(recurse=False) if p in ("weight", "scale")}
+
+
 def _fill(module: torch.nn.Module, seed: int) -> None:
-    """ComfyUI's ops leave weights uninitialised: fan-in scaled matrices, gains near 1, small biases."""
-    gen = torch.Generator().manual_seed(seed)
+    """ComfyUI's ops leave weights uninitialised: fan-in scaled matrices, gains near 1, small biases.
+
+    Gains are found by class, not by a "norm" in the name: a UNet's GroupNorm gains at 0.02 (what a bias gets)
+    scaled its output to ~2 % of the noise it predicts (std 0.019) and capped what any LoRA could change."""
+    gen, gains = torch.Generator().manual_seed(seed), _norm_gains(module)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(math.prod(p.shape[1:])))
-            elif "norm" in name and name.endswith(("weight", "scale")):
+            elif name in gains or ("norm" in name and name.endswith(("weight", "scale"))):
                 p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
