@@ -38,6 +38,7 @@ def test_the_shipped_workflow_gets_a_plan_that_fits_16_and_24_gb(pack_module, on
     lora, settings = nodes["PrecisionAttachLoRA"], nodes["PrecisionTrainSettings"]
     assert (lora["fp32_accumulation"], lora["param_dtype"], lora["dropout"], lora["rank_dropout"]) == (True, "fp32", 0, 0)
     assert (settings["batch_size"], settings["optimizer"], settings["gradient_checkpointing"]) == (1, "adamw", False)
+    assert settings["vram_budget_gb"] == "auto"  # Train LoRA plans the run with this planner (nodes/train/budget.py)
     plan_module = pack_module("training.memory_plan")
     runs: dict[bool, dict] = {}
 
