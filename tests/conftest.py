@@ -46,6 +46,10 @@ def comfy_server(tmp_path_factory):
     from server_harness import ComfyServer
 
     base = str(tmp_path_factory.mktemp("comfy_server_base"))
+    # A test-only custom node (no nodes, never shipped): lets ComfyUI's detection know the tiny SDXL UNet of
+    # tests/sdxl_standin.py, so that the stock CheckpointLoaderSimple loads its checkpoint (SDXL workflows).
+    os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)
+    os.symlink(os.path.join(TESTS, "sdxl_standin.py"), os.path.join(base, "custom_nodes", "precision_sdxl_standin.py"))
     server = ComfyServer.start(base)
     try:
         errors = server.pack_import_errors()

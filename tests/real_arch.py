@@ -25,6 +25,13 @@ What it writes (nothing is downloaded; every weight comes from a seeded generato
 - ``models/diffusion_models/real_arch_tiny_flux1.safetensors``: the tiny Flux.1-dev with Flux.1's own text
   widths (T5-XXL's 4096 per token, CLIP-L's pooled 768), for the shipped workflows' DualCLIPLoader unchanged.
 
+    python tests/real_arch.py BASE_DIR --sdxl    (also an SDXL checkpoint)
+
+- ``models/checkpoints/real_arch_tiny_sdxl.safetensors``: one file as a released SDXL checkpoint is, for
+  CheckpointLoaderSimple: a tiny SDXL UNet, CLIP-L and CLIP-G at their real sizes and the SD VAE at its real
+  size (tests/sdxl_standin.py, which the test server loads so that ComfyUI's detection knows the tiny UNet).
+  Written once per checkout into ``.cache/real_arch/`` (~1.8 GB, under a minute) and linked into BASE_DIR.
+
 Without ``--t5`` the tests that need speed swap DualCLIPLoader for a CLIPLoader on the same clip_l (see
 swap_names) and train the tiny Flux whose text width is CLIP-L's 768.
 """
@@ -42,6 +49,7 @@ T5_NAME = "real_arch_t5xxl_fp8_e4m3fn.safetensors"
 TINY_FLUX_T5_NAME = "real_arch_tiny_flux1.safetensors"
 CLIP_L_NAME = "real_arch_clip_l.safetensors"
 TINY_FLUX_NAME = "real_arch_tiny_flux1_clip_l.safetensors"
+SDXL_NAME = "real_arch_tiny_sdxl.safetensors"
 DATASET = "real_arch_captioned"
 # (file stem, width, height, caption): two sizes, so one run trains on latents of different shapes
 IMAGES = (
@@ -186,6 +194,19 @@ def write_dataset(folder: str) -> None:
             f.write(caption + "\n")
 
 
+def write_sdxl(base: str, seed: int = 0) -> str:
+    """The tiny SDXL checkpoint, written once into the cache and linked into ``base``'s models/checkpoints."""
+    import sdxl_standin
+
+    path, cached = os.path.join(base, "models", "checkpoints", SDXL_NAME), os.path.join(CACHE, SDXL_NAME)
+    if not os.path.exists(cached):
+        sdxl_standin.write_checkpoint(cached, seed)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.symlink(cached, path)
+    return path
+
+
 def write_all(base: str, seed: int = 0, t5: bool = False) -> dict[str, str]:
     """Writes every file that is missing under ``base`` (``t5``: also T5-XXL, linked from the cache, and the
     tiny Flux with T5-XXL's text width); returns {what: path}."""
@@ -219,7 +240,7 @@ def write_all(base: str, seed: int = 0, t5: bool = False) -> dict[str, str]:
 # What the real workflows ship with (workflows/build.py) and what the tests pick instead: file and folder
 # names only, plus the two differences that CPU test time forces (see swap_names).
 SHIPPED = {"model": "flux1-dev.safetensors", "clip_l": "clip_l.safetensors", "t5": "t5xxl_fp16.safetensors",
-           "vae": "ae.safetensors", "dataset": "my_lora_dataset"}
+           "vae": "ae.safetensors", "dataset": "my_lora_dataset", "checkpoint": "sd_xl_base_1.0.safetensors"}
 
 
 def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False) -> tuple[dict, list[str]]:
@@ -264,6 +285,13 @@ def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False) -> 
         elif kind in ("EmptySD3LatentImage", "EmptyLatentImage"):
             inputs["width"] = inputs["height"] = 64
             edits.append(f"{nid}.width/height")
+        elif kind == "CheckpointLoaderSimple":
+            assert inputs["ckpt_name"] == SHIPPED["checkpoint"], inputs
+            inputs["ckpt_name"] = SDXL_NAME
+            edits.append(f"{nid}.ckpt_name")
+        elif kind == "PrecisionResolutionBuckets":  # not a name: the 64 px test images, not 1024 px photos
+            inputs["resolution"] = 64
+            edits.append(f"{nid}.resolution")
     return out, edits
 
 
@@ -282,14 +310,17 @@ def _pack_module(name: str):
 
 
 def main(argv: list[str]) -> None:
-    t5 = "--t5" in argv
-    argv = [a for a in argv if a != "--t5"]
+    t5, sdxl = "--t5" in argv, "--sdxl" in argv
+    argv = [a for a in argv if a not in ("--t5", "--sdxl")]
     if len(argv) != 1:
-        raise SystemExit("usage: real_arch.py BASE_DIR [--t5]")
+        raise SystemExit("usage: real_arch.py BASE_DIR [--t5] [--sdxl]")
     base = os.path.abspath(argv[0])
     _BASE.append(base)
     _pack_module("demo")  # imports ComfyUI (CPU) with this base directory first
-    for what, path in write_all(base, t5=t5).items():
+    paths = write_all(base, t5=t5)
+    if sdxl:
+        paths["sdxl"] = write_sdxl(base)
+    for what, path in paths.items():
         sys.stderr.write(f"[Precision LoRA] real-architecture {what}: {path}\n")
 
 

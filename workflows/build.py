@@ -296,12 +296,131 @@ def real_inference_spec() -> dict:
     }
 
 
+# SDXL (train_lora_sdxl.json, inference_sdxl.json): one checkpoint holds the UNet, CLIP-L + CLIP-G and the VAE.
+SDXL_CHECKPOINT = "sd_xl_base_1.0.safetensors"
+SDXL_LORA_PREFIX = "precision_lora/my_sdxl_lora"
+SDXL_LORA = SDXL_LORA_PREFIX + "_00001_.safetensors"
+
+SDXL_TRAIN_NOTE = (
+    "Train an SDXL LoRA on your own images (SDXL 1.0 and its fine-tunes: Illustrious, Pony, NoobAI ...)\n\n"
+    "To run it, pick names only:\n"
+    "1. Load Checkpoint: your SDXL checkpoint in models/checkpoints (" + SDXL_CHECKPOINT + "). It gives the\n"
+    "   UNet (MODEL), the text encoders CLIP-L + CLIP-G (CLIP) and the VAE.\n"
+    "2. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
+    "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n\n"
+    "Then Run. Precision Resolution Buckets fits every image to about 1024 x 1024 pixels (SDXL's size; aspect\n"
+    "kept, sides multiples of 8 from the model), Cached Training Dataset (Precision) encodes each image with the\n"
+    "VAE and each caption with CLIP-L + CLIP-G once and keeps them in <ComfyUI>/cache/precision_lora/dataset.\n"
+    "Attach LoRA: rank 16, targets 'attention' = the attn1/attn2 to_q/to_k/to_v/to_out of every transformer\n"
+    "block of the UNet ('community' adds the feed-forwards and proj_in/proj_out, as kohya's sd-scripts do).\n"
+    "Train Settings: AdamW at 1e-4, timesteps sampled uniformly (SDXL predicts noise; target auto), a\n"
+    "checkpoint every 250 steps into models/loras/my_sdxl_lora/ (resume_from continues there).\n"
+    "vram_budget_gb=auto fits the run to your GPU: before loading the model, Train LoRA estimates its step and\n"
+    "turns on gradient checkpointing and block swap as far as needed, and shows the plan on the node.\n"
+    "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
+    "Save LoRA writes models/loras/" + SDXL_LORA + " on the first run (the counter grows; it never\n"
+    "overwrites) with its training state beside it; Loss Graph saves the learning curve (PNG + CSV).\n"
+    "To use the LoRA: inference_sdxl.json."
+)
+
+SDXL_INFER_NOTE = (
+    "Generate with an SDXL LoRA exactly as it was trained\n\n"
+    "To run it, pick names only: your SDXL checkpoint (Load Checkpoint) and the LoRA train_lora_sdxl.json saved\n"
+    "(Load LoRA (Precision): " + SDXL_LORA + " after its first run). Write your prompt (with the\n"
+    "trigger word) in the upper CLIP Text Encode, what to avoid in the lower one.\n\n"
+    "Empty Latent Image gives SDXL's 4-channel latent at 1024 x 1024; KSampler (dpmpp_2m, karras, 30 steps,\n"
+    "cfg 7) denoises it, VAE Decode turns it into the image, Save Image writes it.\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
+)
+
+
+def sdxl_train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "CheckpointLoaderSimple", [0, 0], {"ckpt_name": SDXL_CHECKPOINT}, size=[340, 100]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {
+                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "uniform", "checkpoint_every": 250,
+                "vram_budget_gb": "auto"}, size=[340, 850]),
+            _node(5, "LoadImageTextDataSetFromFolder", [0, 450], {"folder": REAL_DATASET}, size=[340, 80]),
+            _node(6, "PrecisionResolutionBuckets", [0, 580], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
+                  size=[340, 170]),
+            _node(7, "PrecisionCachedTrainingDataset", [0, 800], {"cache": "use"}, size=[340, 130]),
+            _node(8, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_sdxl_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(9, "PrecisionSaveLoRA", [1200, 700], {
+                "filename_prefix": SDXL_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(10, "PrecisionLossGraph", [1640, 700], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_sdxl_lora_loss"}, size=[560, 470]),
+            _note(11, [1200, 0], [760, 640], SDXL_TRAIN_NOTE),
+        ],
+        "links": "sdxl_train",  # filled in by sdxl_train_links() from the schemas
+    }
+
+
+def sdxl_train_links(info: dict) -> list[tuple]:
+    """Links of train_lora_sdxl.json, by input and output names (checked against object_info)."""
+    def out(node_type: str, name: str) -> int:
+        names = info[node_type]["output_name"]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+        return names.index(name)
+
+    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
+                  "PrecisionCachedTrainingDataset")
+    ck = "CheckpointLoaderSimple"
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][out(t, "loss_map")]]
+    return [
+        (1, out(ck, "MODEL"), 2, "model"), (2, 0, 3, "model"), (3, 0, 8, "model"),
+        (5, out(d, "images"), 6, "images"), (5, out(d, "texts"), 6, "texts"), (1, out(ck, "MODEL"), 6, "model"),
+        (6, out(b, "images"), 7, "images"), (6, out(b, "texts"), 7, "texts"),
+        (1, out(ck, "VAE"), 7, "vae"), (1, out(ck, "CLIP"), 7, "clip"),
+        (7, out(m, "latents"), 8, "latents"), (7, out(m, "conditioning"), 8, "conditioning"), (4, 0, 8, "settings"),
+        (8, out(t, "model"), 9, "model"), (8, out(t, "training_state"), 9, "training_state"),
+        (8, out(t, "loss_map"), 10, graph_in[0]),
+    ]
+
+
+def sdxl_inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "CheckpointLoaderSimple", [0, 0], {"ckpt_name": SDXL_CHECKPOINT}, size=[340, 100]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], {**LOAD_LORA_WIDGETS, "lora_name": SDXL_LORA}, size=[360, 420]),
+            _node(3, "CLIPTextEncode", [0, 150], {"text": "a photo of sks"}, size=[340, 160], title="Positive"),
+            _node(4, "CLIPTextEncode", [0, 360], {"text": "blurry, low quality"}, size=[340, 160], title="Negative"),
+            _node(5, "EmptyLatentImage", [400, 470], {"width": 1024, "height": 1024, "batch_size": 1},
+                  size=[360, 110]),
+            _node(6, "KSampler", [800, 0], {
+                "seed": 0, "steps": 30, "cfg": 7.0, "sampler_name": "dpmpp_2m", "scheduler": "karras", "denoise": 1.0},
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(7, "VAEDecode", [800, 320], size=[300, 50]),
+            _node(8, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference_sdxl"}, size=[400, 440]),
+            _note(9, [0, 640], [1100, 250], SDXL_INFER_NOTE),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 6, "model"), (1, 1, 3, "clip"), (1, 1, 4, "clip"),
+            (3, 0, 6, "positive"), (4, 0, 6, "negative"), (5, 0, 6, "latent_image"),
+            (6, 0, 7, "samples"), (1, 2, 7, "vae"), (7, 0, 8, "images"),
+        ],
+    }
+
+
 SPECS = {
     "inference_matching_scale": real_inference_spec,
     "train_lora": real_train_spec,
     "inference_demo": inference_spec,
     "precision_probe": probe_spec,
     "train_lora_demo": train_spec,
+    "train_lora_sdxl": sdxl_train_spec,
+    "inference_sdxl": sdxl_inference_spec,
 }
 
 BUILD_JS = r"""
@@ -435,6 +554,8 @@ def build(names: list[str], server_url: str | None) -> None:
                 spec["links"] = train_links(info)
             elif spec["links"] == "real_train":
                 spec["links"] = real_train_links(info)
+            elif spec["links"] == "sdxl_train":
+                spec["links"] = sdxl_train_links(info)
             result = browser.evaluate(BUILD_JS, spec)
             workflow = result["workflow"]
             workflow["extra"] = {"ds": {"scale": 0.7, "offset": [520, 40]}}
