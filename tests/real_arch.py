@@ -198,7 +198,8 @@ def write_sdxl(base: str, seed: int = 0) -> str:
     """The tiny SDXL checkpoint, written once into the cache and linked into ``base``'s models/checkpoints."""
     import sdxl_standin
 
-    path, cached = os.path.join(base, "models", "checkpoints", SDXL_NAME), os.path.join(CACHE, SDXL_NAME)
+    path = os.path.join(base, "models", "checkpoints", SDXL_NAME)
+    cached = os.path.join(CACHE, f"real_arch_tiny_sdxl_{sdxl_standin.fingerprint()}.safetensors")
     if not os.path.exists(cached):
         sdxl_standin.write_checkpoint(cached, seed)
     if not os.path.exists(path):

@@ -33,6 +33,16 @@ TINY_UNET = {
 SD_VAE_CONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
                  "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
 
+FORMAT = 1  # raise when the file's contents change in a way the configs above do not show (fill, keys)
+
+
+def fingerprint() -> str:
+    """A short hash of what the file holds: a changed stand-in gets a new file in the cache, not the old one."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([TINY_UNET, SD_VAE_CONFIG, FORMAT], sort_keys=True).encode()).hexdigest()[:10]
+
 
 class SDXL(comfy.supported_models.SDXL):
     """ComfyUI's SDXL config, matching the tiny UNet above instead of the full-size one. Same class name: the
