@@ -80,6 +80,13 @@ def test_shipped_sdxl_workflows_take_model_text_encoders_and_vae_from_one_checkp
     assert infer[_of(infer, "VAEDecode")]["inputs"]["vae"] == [ck, 2]
 
 
+def test_sdxl_workflows_are_served_as_templates_of_the_pack(server):
+    status, templates = server.get("/api/workflow_templates")
+    assert status == 200, templates
+    names = {n for pack, files in templates.items() if "precision" in pack for n in files}
+    assert {"train_lora_sdxl", "inference_sdxl"} <= names, templates
+
+
 def test_sdxl_training_then_inference_with_names_picked(server, sdxl_files):
     prompt, edits = real_arch.swap_names(_load("train_lora_sdxl.json"))
     assert len(edits) == 3, edits  # checkpoint, dataset folder; bucket resolution
