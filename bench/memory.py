@@ -15,8 +15,11 @@ attention workspaces, and a fragmentation margin; attention FLOPs (the CPU flash
 are counted from the calls. Block swap (``--swap-blocks N``) is modelled, not run: the resident weights
 minus N swapped blocks plus two ring slots of the largest block, as ``training.swap`` streams them (at most
 every block but the last, which is not checkpointed).
+``--offload-inputs`` (with ``--checkpointing``): the checkpointed blocks' inputs wait for backward in host
+memory (Train Settings' ``offload_block_inputs``).
 ``--budget GIB`` picks the cheapest plan that fits (``training.memory_plan``: no checkpointing, then
-checkpointing, then swapping more blocks). ``--device cuda`` (on a GPU machine) also runs the step for real
+checkpointing, then checkpointing with the block inputs in host memory, then swapping more blocks; with
+``--offload-inputs`` only plans with the inputs in host memory), as the training node's ``vram_budget_gb`` does. ``--device cuda`` (on a GPU machine) also runs the step for real
 with random weights at the real size and sets ``torch.cuda.max_memory_allocated`` beside the estimate.
 
 Usage::
@@ -152,18 +155,19 @@ def step_cost(run: dict):
     return _estimate().step_cost(run)
 
 
-def plan_figures(run: dict, checkpointing: bool, swap: int) -> dict:
+def plan_figures(run: dict, checkpointing: bool, swap: int, offload: bool = False) -> dict:
     """The figures of one plan from a tracked run (``training.memory_plan``: the swap model and the
     allowances on their own lines) with the run's own lines (LoRA, optimizer, activations, FLOPs)."""
     cost = step_cost(run)
-    p = _pack("training.memory_plan").plan(cost, checkpointing, swap)
+    p = _pack("training.memory_plan").plan(cost, checkpointing, swap, offload)
     return {**_plan_dict(p), "lora_gib": _gib(cost.lora), "optimizer_gib": _gib(cost.optimizer),
             "activations_gib": _gib(cost.activations), "flops": run["matmul_flops"] + run["attention_flops"],
             "attention_flops": run["attention_flops"], "largest_saved": run["largest_saved"]}
 
 
 def _plan_dict(p: Any) -> dict:
-    return {"plan": p.describe(), "checkpointing": p.checkpointing, "swap_blocks": p.swap_blocks,
+    return {"plan": p.describe(), "checkpointing": p.checkpointing, "offload_inputs": p.offload_inputs,
+            "swap_blocks": p.swap_blocks,
             "peak_gib": p.peak_gib, "tracked_gib": p.tracked_gib, "weights_gib": p.weights_gib,
             "overhead_gib": p.overhead_gib, "swapped_gib": p.swapped_gib, "ring_gib": p.ring_gib}
 
@@ -172,13 +176,19 @@ def _gib(n: float) -> float:
     return round(n / GIB, 2)
 
 
-def budget_plan(runs: Callable[[bool], dict], budget_gib: float, checkpointing_only: bool) -> dict:
-    """The cheapest plan within ``budget_gib`` (``training.memory_plan.choose``) with its figures, or
-    ``{"plan": None, "smallest_gib": ...}``. ``runs(checkpointing)``: the tracked run (cached by the caller)."""
-    plan, tried = _pack("training.memory_plan").choose(lambda c: step_cost(runs(c)), budget_gib, checkpointing_only)
+def budget_plan(runs: Callable[[bool, bool], dict], budget_gib: float, checkpointing_only: bool,
+                offload_only: bool = False) -> dict:
+    """The cheapest plan within ``budget_gib`` (``training.memory_plan.choose``, block inputs in host memory
+    offered as the node offers them; ``offload_only``: only plans with them) with its figures, or
+    ``{"plan": None, "smallest_gib": ...}``. ``runs(checkpointing, offload)``: the tracked run (cached by the
+    caller)."""
+    plan, tried = _pack("training.memory_plan").choose(
+        lambda c: step_cost(runs(c, False)), budget_gib, checkpointing_only or offload_only,
+        offload_cost=lambda: step_cost(runs(True, True)), offload_only=offload_only)
     if plan is None:
         return {"plan": None, "smallest_gib": min(t.peak_gib for t in tried)}
-    return plan_figures(runs(plan.checkpointing), plan.checkpointing, plan.swap_blocks)
+    return plan_figures(runs(plan.checkpointing, plan.offload_inputs), plan.checkpointing, plan.swap_blocks,
+                        plan.offload_inputs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -232,28 +242,30 @@ def main(argv: list[str] | None = None) -> dict:
     import comfy_harness
 
     comfy_harness.pack()
-    cache: dict[bool, dict] = {}
+    cache: dict[tuple[bool, bool], dict] = {}
 
-    def runs(ckpt: bool) -> dict:
-        if ckpt not in cache:
-            cache[ckpt] = tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets,
-                                  args.offload_inputs)
-        return cache[ckpt]
+    def runs(ckpt: bool, offload: bool) -> dict:
+        if (ckpt, offload) not in cache:
+            cache[ckpt, offload] = tracked(args.model, args.size, args.rank, args.base, ckpt, args.targets, offload)
+        return cache[ckpt, offload]
 
+    off = args.offload_inputs
     if args.budget_list:
-        plans = {str(b): budget_plan(runs, b, args.checkpointing) for b in args.budget_list}
-        result = {**plan_figures(runs(True), True, 0),  # the headline: checkpointing, no swap
+        plans = {str(b): budget_plan(runs, b, args.checkpointing, off) for b in args.budget_list}
+        result = {**plan_figures(runs(True, off), True, 0, off),  # the headline: checkpointing, no swap
+                  "offload_peak_gib": plan_figures(runs(True, True), True, 0, True)["peak_gib"],
                   "plans": {b: {"plan": p["plan"], "peak_gib": p.get("peak_gib", p.get("smallest_gib"))}
                             for b, p in plans.items()}}
     elif args.budget:
-        result = budget_plan(runs, args.budget, args.checkpointing)
+        result = budget_plan(runs, args.budget, args.checkpointing, off)
     else:
-        result = plan_figures(runs(args.checkpointing), args.checkpointing, args.swap_blocks)
+        result = plan_figures(runs(args.checkpointing, off), args.checkpointing, args.swap_blocks, off)
     result = {"model": args.model, "size": args.size, "rank": args.rank, "base": args.base,
               "targets": args.targets, "budget_gib": args.budget or None, "offload_block_inputs": args.offload_inputs,
               **result}
     # each estimated step's costs (training.memory_plan.StepCost), to plan other budgets without a new run
-    result["step_costs"] = {("checkpointing" if c else "plain"): vars(step_cost(r)) for c, r in cache.items()}
+    result["step_costs"] = {("checkpointing" if c else "plain") + (" + inputs in host memory" if o else ""):
+                            vars(step_cost(r)) for (c, o), r in cache.items()}
     if args.device == "cuda":
         result["cuda"] = measured_on_cuda(args, result)
     _print(result)
@@ -270,8 +282,7 @@ def _print(r: dict) -> None:
         print(f"no plan fits {r['budget_gib']} GiB: the smallest, {r['smallest_gib']} GiB, is with every block "
               "swapped; use --base fp8, a smaller size or a larger budget")
         return
-    inputs = ", block inputs in host memory" if r.get("offload_block_inputs") and r.get("checkpointing") else ""
-    print(f"plan: {r['plan']}{inputs}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
+    print(f"plan: {r['plan']}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
     for key in ("weights_gib", "lora_gib", "optimizer_gib", "activations_gib", "tracked_gib", "overhead_gib", "peak_gib"):
         print(f"  {key[:-4]:<12}{r[key]:>9.2f} GiB")
     print(f"  (overhead: CUDA context {mp.CUDA_CONTEXT_GIB} + workspaces {mp.WORKSPACE_GIB} GiB + "

@@ -53,17 +53,20 @@ def _cell(plan: dict) -> str:
     if plan["plan"] is None:
         return f"none (min {plan['peak_gib']})"
     text = plan["plan"].replace("checkpointing", "ckpt").replace(" blocks swapped", " swapped")
+    text = text.replace("block inputs in host memory", "inputs on host")
     return f"{text}: {plan['peak_gib']}"
 
 
 def table(rows: list[dict]) -> str:
     """The markdown table: one line per (model, base, size) in MODELS order."""
     order = {m: i for i, m in enumerate(memory_models.MODELS)}
-    head = ["model", "base", "px", "ckpt, no swap"] + [f"{b:g} GB" for b in BUDGETS] + ["published"]
+    head = ["model", "base", "px", "ckpt, no swap", "ckpt, inputs on host"] + [f"{b:g} GB" for b in BUDGETS] + [
+        "published"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (order.get(r["model"], 99), r["base"], -r["size"])):
         cells = [_cell(r["plans"].get(str(float(b)), {"plan": None, "peak_gib": "?"})) for b in BUDGETS]
-        lines.append("| " + " | ".join([r["model"], r["base"], str(r["size"]), str(r["peak_gib"]), *cells,
+        lines.append("| " + " | ".join([r["model"], r["base"], str(r["size"]), str(r["peak_gib"]),
+                                         str(r.get("offload_peak_gib", "?")), *cells,
                                          PUBLISHED.get(r["model"], "")]) + " |")
     return "\n".join(lines)
 

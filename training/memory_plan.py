@@ -2,13 +2,15 @@
 
 Pure arithmetic (no torch, no ComfyUI). Its input is what one training step needs, as ``bench/memory.py``
 estimates it at real size (``StepCost``: the tracked peak, and the weight bytes of every block in
-execution order), with and without gradient checkpointing. A plan is (checkpointing, blocks swapped);
+execution order), with and without gradient checkpointing. A plan is (checkpointing, block inputs in host
+memory, blocks swapped);
 its estimate is the tracked peak minus the swapped blocks' weights plus the ring of device slots the swap
 streams them through (``training.swap``: ``RING_SLOTS`` buffers of the largest block), plus what no tensor
 tracker sees, on its own line: the CUDA context, cuBLAS/attention workspaces, and a fragmentation margin.
 
 ``choose`` takes the cheapest plan within a budget, cheapest meaning least extra work per step: no
-checkpointing, then checkpointing, then checkpointing with 1, 2, ... blocks swapped (swap needs
+checkpointing, then checkpointing, then (when offered) checkpointing with the block inputs in host memory,
+then that with 1, 2, ... blocks swapped (swap needs
 checkpointing: the recomputation re-reads the streamed blocks). Costs are asked for lazily, checkpointed
 first: when the checkpointed step does not fit, the plain one (which keeps every activation the
 checkpointed one keeps, and more) is not estimated at all.
@@ -53,10 +55,12 @@ class Plan:
     swapped_gib: float
     ring_gib: float
     overhead_gib: float
+    offload_inputs: bool = False  # the checkpointed blocks' inputs wait for backward in host memory
 
     def describe(self) -> str:
-        """"checkpointing, 14 of 56 blocks swapped" (the words the reports use)."""
+        """"checkpointing, block inputs in host memory, 14 of 56 blocks swapped" (the words the reports use)."""
         text = "checkpointing" if self.checkpointing else "no checkpointing"
+        text += ", block inputs in host memory" if self.offload_inputs else ""
         return text + (f", {self.swap_blocks} of {self.blocks} blocks swapped" if self.swap_blocks else "")
 
 
@@ -84,9 +88,13 @@ def parse_budget(text: str) -> float | str | None:
     return gib
 
 
-def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0) -> Plan:
-    """The estimate of one plan from the step's cost (``cost`` measured with that checkpointing setting)."""
+def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0, offload_inputs: bool = False) -> Plan:
+    """The estimate of one plan from the step's cost (``cost`` measured with that checkpointing setting, and
+    with the block inputs in host memory for ``offload_inputs``)."""
     blocks = cost.blocks
+    if offload_inputs and not checkpointing:
+        raise ValueError("memory plan: block inputs in host memory need gradient checkpointing (only a "
+                         "checkpointed block's inputs wait for backward)")
     if swap_blocks and not checkpointing:
         raise ValueError(f"memory plan: swap_blocks={swap_blocks} needs gradient checkpointing (the backward "
                          "would need every block's weights resident)")
@@ -97,31 +105,49 @@ def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0) -> Plan:
     tracked = cost.peak - swapped + ring
     overhead = (CUDA_CONTEXT_GIB + WORKSPACE_GIB) * GIB + FRAGMENTATION * tracked
     return Plan(checkpointing, swap_blocks, len(blocks), _gib(tracked + overhead), _gib(tracked),
-                _gib(cost.weights - swapped + ring), _gib(swapped), _gib(ring), _gib(overhead))
+                _gib(cost.weights - swapped + ring), _gib(swapped), _gib(ring), _gib(overhead), offload_inputs)
 
 
-def choose(cost: Callable[[bool], StepCost], budget_gib: float,
-           checkpointing_only: bool = False) -> tuple[Plan | None, list[Plan]]:
+def choose(cost: Callable[[bool], StepCost], budget_gib: float, checkpointing_only: bool = False,
+           offload_cost: Callable[[], StepCost] | None = None,
+           offload_only: bool = False) -> tuple[Plan | None, list[Plan]]:
     """The cheapest plan whose estimate is within ``budget_gib``, and every plan looked at (in order).
 
     ``cost(checkpointing)``: the step's cost with or without gradient checkpointing (called at most once
     each, and only when needed). ``checkpointing_only``: plans without checkpointing are not considered.
-    None when even every block swapped does not fit (the last plan looked at is then the smallest)."""
+    ``offload_cost()``: the checkpointed step's cost with the block inputs in host memory; when given, that
+    plan comes after plain checkpointing and before any swap (a host copy of each block's input is far less
+    traffic than streaming a block's weights), and swap plans build on it (unless it lowers nothing: then
+    plain checkpointing's plans go on); ``offload_only`` (the user turned it on): only plans with it. None when even every block swapped does not fit (the last plan looked at is
+    then the smallest)."""
     if budget_gib <= 0:
         raise ValueError(f"memory plan: budget {budget_gib} GiB: give a positive number of GiB")
+    if offload_only and offload_cost is None:
+        raise ValueError("memory plan: offload_only needs offload_cost")
     tried: list[Plan] = []
-    ckpt = cost(True)
-    first = plan(ckpt, True, 0)
-    tried.append(first)
-    if first.peak_gib <= budget_gib:
-        if not checkpointing_only:
-            plain = plan(cost(False), False, 0)
-            tried.insert(0, plain)
-            if plain.peak_gib <= budget_gib:
-                return plain, tried
-        return first, tried
+    ckpt = None
+    if not offload_only:
+        ckpt = cost(True)
+        first = plan(ckpt, True, 0)
+        tried.append(first)
+        if first.peak_gib <= budget_gib:
+            if not checkpointing_only:
+                plain = plan(cost(False), False, 0)
+                tried.insert(0, plain)
+                if plain.peak_gib <= budget_gib:
+                    return plain, tried
+            return first, tried
+    offload = offload_cost is not None
+    if offload:
+        moved = offload_cost()
+        offload = offload_only or moved.peak < ckpt.peak  # a host copy that lowers nothing is pure cost
+        if offload:
+            ckpt = moved
+            tried.append(plan(ckpt, True, 0, True))
+            if tried[-1].peak_gib <= budget_gib:
+                return tried[-1], tried
     for n in range(1, len(ckpt.blocks) + 1):
-        tried.append(plan(ckpt, True, n))
+        tried.append(plan(ckpt, True, n, offload))
         if tried[-1].peak_gib <= budget_gib:
             return tried[-1], tried
     return None, tried

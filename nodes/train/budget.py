@@ -1,15 +1,16 @@
-"""Train Settings' ``vram_budget_gb``: the memory planner picks gradient checkpointing and swap_blocks.
+"""Train Settings' ``vram_budget_gb``: the memory planner picks gradient checkpointing, block inputs in host
+memory and swap_blocks.
 
 Before the model is loaded onto the device, ``plan_budget`` estimates one training step of THIS model (a
 fake twin built from its own ``model_config``: ``memory_estimate.fake_twin``) with THIS run's LoRA config,
 largest latent, conditioning, batch size and optimizer, at its real size on the CPU, and takes the
 cheapest plan within the budget (``training.memory_plan.choose``: no checkpointing, checkpointing, then
-1, 2, ... blocks swapped). Estimates are cached in-process per (model config, settings, input shapes),
+checkpointing with the block inputs in host memory, then that with 1, 2, ... blocks swapped). Estimates are cached in-process per (model config, settings, input shapes),
 so a second run of the same graph plans at once.
 
 Who wins: with a budget set, the plan decides ``swap_blocks`` (a value set by hand is replaced, and the
 report says so); ``gradient_checkpointing`` on is kept (only plans with checkpointing are considered),
-off lets the plan turn it on.
+off lets the plan turn it on; ``offload_block_inputs`` likewise (on: only plans with it).
 
 "auto": the training device's free memory as CUDA reports it (``torch.cuda.mem_get_info``) plus what
 ComfyUI could free for the run: its caching allocator's reserved-but-unused memory and the weights of the
@@ -52,7 +53,7 @@ def auto_budget_gib(device: torch.device) -> float:
 
 def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: list,
                 say: Callable[[str], None] = lambda text: None) -> tuple[TrainSettings, str | None]:
-    """``cfg`` with the plan's checkpointing and swap_blocks, and the report line; ``(cfg, None)`` when the
+    """``cfg`` with the plan's checkpointing, block inputs in host memory and swap_blocks, and the report line; ``(cfg, None)`` when the
     budget is off. ValueError with the numbers when no plan fits (before anything heavy is loaded).
     ``say``: shows progress (the node's text) before each estimate that is not cached."""
     budget = cfg.budget
@@ -67,7 +68,8 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
                          "run as set")
         budget = round(auto_budget_gib(device), 2)
     cost, notes = _cost_fn(model, cfg, latents, conditioning, device.type == "cuda", say)
-    plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing)
+    plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing,
+                         offload_cost=lambda: cost(True, offload=True), offload_only=cfg.offload_block_inputs)
     what = f"vram budget {budget:g} GiB" + (" (auto: free on the device + what ComfyUI can free)" if auto else "")
     base = DTYPE_NAMES.get(model.model.get_dtype(), str(model.model.get_dtype()).replace("torch.", ""))
     if plan is None:
@@ -83,27 +85,32 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
         line += f" (the plan replaces swap_blocks={cfg.swap_blocks})"
     if cfg.gradient_checkpointing:
         line += " (gradient_checkpointing on kept: only plans with checkpointing considered)"
-    planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks)
+    if cfg.offload_block_inputs:
+        line += " (offload_block_inputs on kept)"
+    planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks,
+                                  offload_block_inputs=plan.offload_inputs)
     return planned, line + "".join(notes)
 
 
 def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool,
              say: Callable[[str], None] = lambda text: None):
-    """``cost(checkpointing)`` for ``choose`` (estimated lazily, cached) and the notes its estimates add to
-    the report (filled as ``choose`` asks)."""
+    """``cost(checkpointing, offload=False)`` for ``choose`` (estimated lazily, cached) and the notes its
+    estimates add to the report (filled as ``choose`` asks)."""
     lora = get_lora_set(model).config
     with torch.inference_mode(False):
         x0, conds = _batch(model, cfg, latents, conditioning)
     base = (_config_key(model), repr(lora), tuple(x0.shape), _shapes(conds[0]), cfg.optimizer, cfg.loss_weighting,
-            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cfg.offload_block_inputs, cuda_gemm)
+            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cuda_gemm)
     notes: list[str] = []
 
-    def cost(checkpointing: bool) -> StepCost:
-        key = (*base, checkpointing)
+    def cost(checkpointing: bool, offload: bool = False) -> StepCost:
+        key = (*base, checkpointing, offload)
         if key not in _COSTS:
+            what = ("checkpointing" if checkpointing else "no checkpointing") + (
+                ", block inputs in host memory" if offload else "")
             say(f"vram_budget_gb: estimating this model's training step at its real size on the CPU "
-                f"({'checkpointing' if checkpointing else 'no checkpointing'}) before loading it ...")
-            _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_gemm)
+                f"({what}) before loading it ...")
+            _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_gemm, offload)
         cost_, note = _COSTS[key]
         if note and note not in notes:
             notes.append(note)
@@ -113,10 +120,11 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
 
 
 def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds: list, checkpointing: bool,
-              cuda_gemm: bool) -> tuple[StepCost, str]:
-    """The step's cost at ``checkpointing`` and a note for the report ("" when the estimate is as asked)."""
+              cuda_gemm: bool, offload: bool = False) -> tuple[StepCost, str]:
+    """The step's cost at ``checkpointing`` (block inputs in host memory for ``offload``) and a note for the
+    report ("" when the estimate is as asked)."""
     settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0",
-                                   offload_block_inputs=cfg.offload_block_inputs and checkpointing)
+                                   offload_block_inputs=offload and checkpointing)
     log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimating one training step of this model at "
              "its real size on the CPU (fake tensors, %s; about 15 s for Flux.1-dev at 1024 px)",
              "checkpointing" if checkpointing else "no checkpointing")

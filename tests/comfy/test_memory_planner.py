@@ -40,18 +40,23 @@ def test_the_shipped_workflow_gets_a_plan_that_fits_16_and_24_gb(pack_module, on
     assert (settings["batch_size"], settings["optimizer"], settings["gradient_checkpointing"]) == (1, "adamw", False)
     assert settings["vram_budget_gb"] == "auto"  # Train LoRA plans the run with this planner (nodes/train/budget.py)
     plan_module = pack_module("training.memory_plan")
-    runs: dict[bool, dict] = {}
+    runs: dict[tuple[bool, bool], dict] = {}
 
-    def cost(checkpointing: bool):
-        if checkpointing not in runs:
-            runs[checkpointing] = memory.tracked(model, 1024, lora["rank"], base, checkpointing, lora["targets"])
-        return memory.step_cost(runs[checkpointing])
+    def cost(checkpointing: bool, offload: bool = False):
+        if (checkpointing, offload) not in runs:
+            runs[checkpointing, offload] = memory.tracked(model, 1024, lora["rank"], base, checkpointing,
+                                                          lora["targets"], offload)
+        return memory.step_cost(runs[checkpointing, offload])
 
-    plans = {budget: plan_module.choose(cost, budget) for budget in (16, 24)}
+    # as the node plans (nodes/train/budget.py): block inputs in host memory offered before any swap
+    plans = {budget: plan_module.choose(cost, budget, offload_cost=lambda: cost(True, True)) for budget in (16, 24)}
     for budget, (plan, tried) in plans.items():
         assert plan is not None and plan.peak_gib <= budget, (budget, tried)
         # as shipped (no checkpointing, nothing swapped) it would not fit: the checkpointed step alone is over
         assert plan.checkpointing and plan.swap_blocks > 0 and tried[0].peak_gib > 24, (budget, tried)
         assert plan.weights_gib < tried[0].weights_gib  # what swap moved out of the device
     assert plans[16][0].swap_blocks > plans[24][0].swap_blocks
-    assert list(runs) == [True]  # the plain step, larger than the checkpointed one, needed no estimate
+    # the inputs in host memory lower the checkpointed peak, so the swap plans build on them
+    assert all(plan.offload_inputs for plan, _ in plans.values())
+    assert memory.step_cost(runs[True, True]).peak < memory.step_cost(runs[True, False]).peak
+    assert sorted(runs) == [(True, False), (True, True)]  # the plain step, larger, needed no estimate

@@ -92,6 +92,23 @@ def test_plans_follow_the_budget_and_estimates_are_cached(pack_module, budget, o
     assert "checkpointing, 1 of 1 blocks swapped, is est. 0.8" in msg and "set vram_budget_gb to 0" in msg, msg
 
 
+def test_offload_block_inputs_on_is_kept_and_estimated_with_it(pack_module, budget, one_thread, monkeypatch):
+    """offload_block_inputs set by hand: only plans with it, the estimate runs with it, the report says so."""
+    model = _attached(pack_module, _model(pack_module))
+    latents, conds = _run_inputs(pack_module, model)
+    seen = []
+    real = budget.run_step
+    monkeypatch.setattr(budget, "run_step", lambda *a, **k: seen.append(
+        (a[4].gradient_checkpointing, a[4].offload_block_inputs)) or real(*a, **k))
+    settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8", gradient_checkpointing=True,
+                                                              offload_block_inputs=True)
+    planned, line = budget.plan_budget(model, settings, latents, conds)
+    assert seen == [(True, True)]
+    assert planned.offload_block_inputs and planned.gradient_checkpointing and planned.swap_blocks == 0
+    assert "bf16 base, checkpointing, block inputs in host memory: est. " in line, line
+    assert "(offload_block_inputs on kept)" in line
+
+
 def test_budget_off_and_auto_on_the_cpu(pack_module, budget):
     model = _attached(pack_module, _model(pack_module))
     TrainSettings = pack_module("training.settings").TrainSettings

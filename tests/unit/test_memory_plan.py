@@ -79,3 +79,40 @@ def test_a_budget_must_be_positive():
     cost, _ = _costs(10, 6)
     with pytest.raises(ValueError, match="budget 0 GiB: give a positive number"):
         mp.choose(cost, 0)
+
+
+def _offload(gib: float, blocks=(1, 1, 1, 1)):
+    asked: list[bool] = []
+
+    def cost() -> mp.StepCost:
+        asked.append(True)
+        return mp.StepCost(peak=int(gib * G), blocks=tuple(int(b * G) for b in blocks), weights=int(sum(blocks) * G))
+
+    return cost, asked
+
+
+def test_block_inputs_in_host_memory_come_after_checkpointing_and_before_swap(no_allowances):
+    cost, asked = _costs(10, 6)
+    offload, off_asked = _offload(5)
+    plan, tried = mp.choose(cost, 8, offload_cost=offload)
+    assert plan.describe() == "checkpointing" and off_asked == []  # not estimated when not needed
+    plan, tried = mp.choose(cost, 5.5, offload_cost=offload)
+    assert plan.describe() == "checkpointing, block inputs in host memory" and plan.peak_gib == 5
+    assert [t.describe() for t in tried] == ["checkpointing", "checkpointing, block inputs in host memory"]
+    plan, tried = mp.choose(cost, 4, offload_cost=offload)  # 5 - 3 swapped + 2 ring = 4: swap builds on it
+    assert plan.describe() == "checkpointing, block inputs in host memory, 3 of 4 blocks swapped"
+    assert plan.offload_inputs and plan.peak_gib == 4
+    plan, _ = mp.choose(cost, 4)  # without the offer: 6 - 4 + 2 = 4 needs every block swapped
+    assert plan.describe() == "checkpointing, 4 of 4 blocks swapped"
+
+
+def test_block_inputs_in_host_memory_that_lower_nothing_are_left_out_unless_asked_for(no_allowances):
+    cost, _ = _costs(10, 6)
+    same, _ = _offload(6)
+    plan, tried = mp.choose(cost, 5, offload_cost=same)
+    assert plan.describe() == "checkpointing, 3 of 4 blocks swapped" and not any(t.offload_inputs for t in tried)
+    cost, asked = _costs(10, 6)
+    plan, tried = mp.choose(cost, 8, checkpointing_only=True, offload_cost=same, offload_only=True)
+    assert plan.describe() == "checkpointing, block inputs in host memory" and asked == []
+    with pytest.raises(ValueError, match="block inputs in host memory need gradient checkpointing"):
+        mp.plan(mp.StepCost(peak=G, blocks=(1,)), False, 0, True)
