@@ -319,7 +319,7 @@ def measured_on_cuda(args: argparse.Namespace, estimate: dict) -> dict:
     model.load_device = None
     run = run_step(model, size=args.size, rank=args.rank, checkpointing=args.checkpointing, targets=args.targets,
                    tokens=memory_models.MODELS[args.model].text_tokens, device=device,
-                   on_second_step=torch.cuda.reset_peak_memory_stats)
+                   on_second_step=torch.cuda.reset_peak_memory_stats, offload=args.offload_inputs)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     return {"device": torch.cuda.get_device_name(), "max_allocated_gib": _gib(allocated),
             "max_reserved_gib": _gib(reserved), "tracked_on_cuda_gib": _gib(run["peak"]),
