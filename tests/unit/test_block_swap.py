@@ -40,14 +40,15 @@ def _toy(dtype: torch.dtype = torch.float32):
     return lora, blocks
 
 
-def _steps(swapped: int, dtype: torch.dtype = torch.float32, steps: int = 3):
-    """Three SGD steps; returns (losses, final LoRA values, swap loads, frozen weights after)."""
+def _steps(swapped: int, dtype: torch.dtype = torch.float32, steps: int = 3, offload: bool = False):
+    """Three SGD steps; returns (losses, final LoRA values, swap loads, frozen weights after). ``offload``:
+    the checkpointed blocks' inputs wait for backward in host memory (``offload_block_inputs``)."""
     lora, blocks = _toy(dtype)
     x = torch.randn(4, 24, generator=torch.Generator().manual_seed(1))
     params = list(lora.parameters())
     losses, loads = [], 0
     with swap_blocks(list(blocks)[:swapped], torch.device("cpu")) as swap, \
-            checkpoint_blocks(list(blocks)[:-1], in_place_adds=False, rng=lora.rng):
+            checkpoint_blocks(list(blocks)[:-1], in_place_adds=False, rng=lora.rng, offload_inputs=offload):
         for _ in range(steps):
             h = x
             for b in blocks:
@@ -74,6 +75,14 @@ def test_swap_on_equals_swap_off_bit_for_bit():
         # the base is only ever read: every frozen weight is unchanged after the run
         assert all(torch.equal(frozen[k], ref_frozen[k]) for k in ref_frozen), swapped
         assert loads > 0
+
+
+def test_swap_with_the_block_inputs_in_host_memory_equals_neither_bit_for_bit():
+    """The planner's plans combine both (checkpointing, block inputs in host memory, N blocks swapped)."""
+    ref_losses, ref_lora, _, _ = _steps(0)
+    losses, lora, loads, _ = _steps(2, offload=True)
+    assert losses == ref_losses and loads > 0
+    assert all(torch.equal(lora[k], ref_lora[k]) for k in ref_lora)
 
 
 def test_bf16_base_streams_bit_for_bit():
