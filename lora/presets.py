@@ -26,8 +26,9 @@ from __future__ import annotations
 # Any Linear inside a module whose name contains "attn" / "attention" (Wan's self_attn.q, AuraFlow's
 # attn.w1q, Kandinsky5's self_attention.to_query, JoyImage's attn.img_attn_qkv, Krea2's attn.wq ...).
 _ANY_ATTN = (r"(?:.+\.)?[^.]*(?:attn|attention)[^.]*\..+",)
-# Any Linear inside a feed-forward module: mlp / mlpX / img_mlp / ffn / ff / audio_ff / feed_forward.
-_ANY_MLP = (r"(?:.+\.)?(?:[^.]*(?:mlp|ffn|feed_forward|feedforward)[^.]*|(?:[a-z]+_)?ff)\..+",)
+# Any Linear inside a feed-forward module: mlp / mlpX / img_mlp / ffn / ff / audio_ff / ff_i (HiDream's
+# image / text feed-forwards ff_i, ff_t) / feed_forward.
+_ANY_MLP = (r"(?:.+\.)?(?:[^.]*(?:mlp|ffn|feed_forward|feedforward)[^.]*|(?:[a-z]+_)?ff(?:_[a-z])?)\..+",)
 # Every Linear inside a numbered block of a block list (blocks.3, transformer_blocks.0, double_layers.1 ...).
 _BLOCK_LINEARS = (r"(?:.+\.)?[a-z_0-9]*(?:blocks|layers|refiner)\.\d+\..+",)
 
@@ -36,8 +37,12 @@ _FLUX_ATTN = (
     # Single-stream blocks fuse attention with the MLP: linear1 = qkv + mlp-in, linear2 = proj + mlp-out.
     r"single_blocks\.\d+\.linear[12]",
 )
+# HunyuanVideo's text input runs its own small transformer blocks (the token refiner) with self-attention.
+_HUNYUAN_REFINER = r"txt_in\.individual_token_refiner\.blocks\.\d+\."
+_FLUX_ATTN += (_HUNYUAN_REFINER + r"self_attn\.(qkv|proj)",)
 _FLUX_MLP = (r"double_blocks\.\d+\.(img|txt)_mlp\.\d+",)
-_FLUX_ALL = (r"(double_blocks|single_blocks)\.\d+\..+",)
+_FLUX_BLOCKS = (r"(double_blocks|single_blocks)\.\d+\..+",)
+_FLUX_ALL = _FLUX_BLOCKS + (_HUNYUAN_REFINER + ".+",)
 _COSMOS_SELF = (r"blocks\.\d+\.self_attn\.(q_proj|k_proj|v_proj|output_proj)",)
 _COSMOS_CROSS = (r"blocks\.\d+\.cross_attn\.(q_proj|k_proj|v_proj|output_proj)",)
 _COSMOS_MLP = (r"blocks\.\d+\.mlp\.layer[12]",)
@@ -50,7 +55,7 @@ _UNET_MLP = (_UNET_BLOCK + r"transformer_blocks\.\d+\.ff\.net\..+",)
 
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "flux": {"attention": _FLUX_ATTN, "attention_mlp": _FLUX_ATTN + _FLUX_MLP, "all": _FLUX_ALL,
-             "community": _FLUX_ALL, "none": ()},
+             "community": _FLUX_BLOCKS, "none": ()},
     "cosmos": {
         "attention": _COSMOS_SELF + _COSMOS_CROSS,
         "self_attention": _COSMOS_SELF,

@@ -35,6 +35,8 @@ TINY: dict[str, dict] = {
                  "cond_seq_dim": 64, "max_seq": 256},
     "WAN21_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 16, "out_dim": 16},
+    "WAN21_I2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                  "in_dim": 36, "out_dim": 16},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
@@ -72,18 +74,47 @@ TINY: dict[str, dict] = {
              "num_res_blocks": [1, 1], "channel_mult": [1, 2], "transformer_depth": [0, 1],
              "transformer_depth_middle": 1, "transformer_depth_output": [0, 0, 1, 1], "context_dim": 64,
              "num_head_channels": 16},
+    # Chroma: Flux's blocks without the per-block modulation; the approximator's out_dim is the width
+    "Chroma": {"in_channels": 64, "out_channels": 64, "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
+               "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000,
+               "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 128, "n_layers": 2,
+               "txt_ids_dims": [], "vec_in_dim": None},
+    "HunyuanVideo": {"in_channels": 16, "out_channels": 16, "patch_size": [1, 2, 2], "vec_in_dim": 32,
+                     "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                     "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+                     "guidance_embed": True, "byt5": False, "meanflow": False, "use_cond_type_embedding": False,
+                     "vision_in_dim": None, "meanflow_sum": False},
+    # HiDream: one caption projection per block from the Llama layers llama_layers picks, one for T5 (last)
+    "HiDream": {"patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1, "num_single_layers": 1,
+                "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": [64, 64], "text_emb_dim": 32,
+                "num_routed_experts": 4, "num_activated_experts": 2, "axes_dims_rope": [16, 8, 8],
+                "max_resolution": [128, 128], "llama_layers": [0, 1]},
+    "Omnigen2": {"patch_size": 2, "in_channels": 16, "out_channels": None, "hidden_size": 64, "num_layers": 2,
+                 "num_refiner_layers": 1, "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16,
+                 "ffn_dim_multiplier": None, "norm_eps": 1e-05, "axes_dim_rope": [8, 12, 12],
+                 "axes_lens": [1024, 1664, 1664], "text_feat_dim": 64, "timestep_scale": 1000.0},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
+# unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
+NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",)}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
-    "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
+    "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
 }
 # Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
-# ones ("int_mask": int64), or "text" (1, tokens, 64) like the context.
+# ones ("int_mask": int64), "text" (1, tokens, 64) like the context, or "layers" (1, 2, tokens, 64): a text
+# encoder's hidden states of every layer (HiDream's Llama: the model picks its layers by llama_layers), or
+# "none": the key with None (Chroma's T5 encoder has no pooled output; 0.3.75's Flux base reads the key);
+# image-to-video inputs as ComfyUI's WanImageToVideo node gives them for a one-frame clip: "clip_vision" (a
+# CLIP vision output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels),
+# "start_mask" (zeros: the frame is given).
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
-    "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
+    "HiDream": {"conditioning_llama3": "layers"},
+    "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
+                  "concat_mask": "start_mask"}, "Chroma": {"pooled_output": "none"},
+    "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
 }
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512}
@@ -124,9 +155,13 @@ def build(name: str, seed: int = 0):
     import comfy.model_patcher
     import comfy.supported_models as sm
 
+    import comfyui_version
+
     cls = getattr(sm, name)
-    config = cls({**cls.unet_config, **TINY[name]})
-    config.unet_config.update(TINY[name])  # over the class's unet_extra_config (released sizes)
+    older = comfyui_version.__version__.startswith("0.3.")
+    tiny = {k: v for k, v in TINY[name].items() if not (older and k in NEWER_KEYS.get(name, ()))}
+    config = cls({**cls.unet_config, **tiny})
+    config.unet_config.update(tiny)  # over the class's unet_extra_config (released sizes)
     config.set_inference_dtype(torch.float32, None)
     with torch.inference_mode(False):
         model = config.get_model({}, "")
@@ -158,6 +193,19 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
     for key, kind in EXTRAS.get(name, {}).items():
         if kind == "text":
             extra[key] = torch.randn((1, tokens, 64), generator=gen)
+        elif kind == "clip_vision":
+            import comfy.clip_vision
+
+            extra[key] = comfy.clip_vision.Output()
+            extra[key]["penultimate_hidden_states"] = torch.randn((1, 257, 1280), generator=gen)
+        elif kind == "start_latent":
+            extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
+        elif kind == "start_mask":
+            extra[key] = torch.zeros((1, 1, 1, 4, 4))
+        elif kind == "none":
+            extra[key] = None
+        elif kind == "layers":
+            extra[key] = torch.randn((1, 2, tokens, 64), generator=gen)
         else:
             extra[key] = torch.ones((1, tokens), dtype=torch.int64 if kind == "int_mask" else torch.float32)
     return [[torch.randn((1, tokens, width), generator=gen), extra]]
