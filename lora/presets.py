@@ -76,7 +76,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
 # removed) whose module paths are one of the registry's families. Anything else is "generic".
 _FLUX_LIKE = ("flux", "flux1", "flux2", "chroma", "kontext", "fluxinpaint", "fluxschnell", "chromaradiance",
               "longcatimage", "hunyuanvideo", "hunyuanvideoi2v", "hunyuanvideoskyreelsi2v", "hunyuanimage21",
-              "hunyuanimage21refiner")
+              "hunyuanimage21refiner", "hunyuanvideo15", "hunyuanvideo15_sr_distilled")
 _COSMOS_LIKE = ("cosmos", "cosmos_predict2", "anima", "cosmost2ipredict2", "cosmosi2vpredict2")
 _COGVIDEOX = ("cogvideox", "cogvideox_t2v", "cogvideox_i2v", "cogvideox_inpaint")
 _SD_UNETS = ("sd15", "sd20", "sd21", "sdxl", "sdxlrefiner", "ssd1b", "segmind_vega", "koala_700m", "koala_1b",

@@ -37,6 +37,8 @@ TINY: dict[str, dict] = {
                   "in_dim": 16, "out_dim": 16},
     "WAN21_I2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 36, "out_dim": 16},
+    "WAN21_FunControl2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64,
+                           "freq_dim": 32, "in_dim": 48, "out_dim": 16},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
@@ -93,11 +95,19 @@ TINY: dict[str, dict] = {
                  "num_refiner_layers": 1, "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16,
                  "ffn_dim_multiplier": None, "norm_eps": 1e-05, "axes_dim_rope": [8, 12, 12],
                  "axes_lens": [1024, 1664, 1664], "text_feat_dim": 64, "timestep_scale": 1000.0},
+    # HunyuanVideo 1.5 (T2V): 32-channel latents; the image condition and its mask are concatenated (zeros
+    # without an image), byT5 glyph text and SigLIP vision tokens are optional inputs
+    "HunyuanVideo15": {"in_channels": 65, "out_channels": 32, "patch_size": [1, 1, 1], "vec_in_dim": None,
+                       "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                       "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+                       "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": True,
+                       "vision_in_dim": 1152, "meanflow_sum": True},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
-NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",)}
+NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
+                                            "HunyuanVideo15": ("meanflow_sum",)}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
@@ -105,15 +115,19 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 # Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
 # ones ("int_mask": int64), "text" (1, tokens, 64) like the context, or "layers" (1, 2, tokens, 64): a text
 # encoder's hidden states of every layer (HiDream's Llama: the model picks its layers by llama_layers), or
-# "none": the key with None (Chroma's T5 encoder has no pooled output; 0.3.75's Flux base reads the key);
+# "none": the key with None (Chroma's T5 and HunyuanVideo 1.5's Qwen encoders have no pooled output; the base
+# class reads the key);
 # image-to-video inputs as ComfyUI's WanImageToVideo node gives them for a one-frame clip: "clip_vision" (a
 # CLIP vision output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels),
-# "start_mask" (zeros: the frame is given).
+# "start_mask" (zeros: the frame is given); WanFunControlToVideo's "control_latent": the control video's
+# latent and the start image's, 16 channels each.
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "HiDream": {"conditioning_llama3": "layers"},
     "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
-                  "concat_mask": "start_mask"}, "Chroma": {"pooled_output": "none"},
+                  "concat_mask": "start_mask"},
+    "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"}, "Chroma": {"pooled_output": "none"},
+    "HunyuanVideo15": {"pooled_output": "none"},
     "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
 }
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
@@ -200,6 +214,8 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
             extra[key]["penultimate_hidden_states"] = torch.randn((1, 257, 1280), generator=gen)
         elif kind == "start_latent":
             extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
+        elif kind == "control_latent":
+            extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, 1, 4, 4))
         elif kind == "none":
