@@ -102,15 +102,27 @@ TINY: dict[str, dict] = {
                        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
                        "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": True,
                        "vision_in_dim": 1152, "meanflow_sum": True},
+    "HunyuanVideoI2V": {"in_channels": 33, "out_channels": 16, "patch_size": [1, 2, 2], "vec_in_dim": 32,
+                        "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+                        "guidance_embed": True, "byt5": False, "meanflow": False, "use_cond_type_embedding": False,
+                        "vision_in_dim": None, "meanflow_sum": False},
+    # HunyuanImage 2.1: HunyuanVideo's class on 2D, 64-channel latents (32x down), patch 1
+    "HunyuanImage21": {"in_channels": 64, "out_channels": 64, "patch_size": [1, 1], "vec_in_dim": None,
+                       "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                       "depth_single_blocks": 1, "axes_dim": [16, 16], "theta": 256, "qkv_bias": True,
+                       "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": False,
+                       "vision_in_dim": None, "meanflow_sum": False},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
-                                            "HunyuanVideo15": ("meanflow_sum",)}
+                                            "HunyuanVideo15": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
+                                            "HunyuanVideoI2V": ("meanflow_sum",)}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
-    "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
+    "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "HunyuanVideoI2V": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
 }
 # Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
 # ones ("int_mask": int64), "text" (1, tokens, 64) like the context, or "layers" (1, 2, tokens, 64): a text
@@ -119,13 +131,14 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 # class reads the key);
 # image-to-video inputs as ComfyUI's WanImageToVideo node gives them for a one-frame clip: "clip_vision" (a
 # CLIP vision output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels),
-# "start_mask" (zeros: the frame is given); WanFunControlToVideo's "control_latent": the control video's
+# "start_mask" (zeros: the frame is given; HunyuanImageToVideo's "v1 (concat)" gives the same two); WanFunControlToVideo's "control_latent": the control video's
 # latent and the start image's, 16 channels each.
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "HiDream": {"conditioning_llama3": "layers"},
     "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
                   "concat_mask": "start_mask"},
+    "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
     "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"}, "Chroma": {"pooled_output": "none"},
     "HunyuanVideo15": {"pooled_output": "none"},
     "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
