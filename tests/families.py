@@ -81,6 +81,14 @@ TINY: dict[str, dict] = {
                "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000,
                "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 128, "n_layers": 2,
                "txt_ids_dims": [], "vec_in_dim": None},
+    # Chroma Radiance: Chroma in pixel space, a NeRF-style head decodes each patch (patch 4 here, 16 released)
+    "ChromaRadiance": {"in_channels": 3, "out_channels": 3, "context_in_dim": 64, "hidden_size": 64,
+                       "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+                       "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 4, "qkv_bias": True, "in_dim": 64,
+                       "out_dim": 64, "hidden_dim": 128, "n_layers": 2, "txt_ids_dims": [], "vec_in_dim": None,
+                       "nerf_hidden_size": 32, "nerf_mlp_ratio": 4, "nerf_depth": 2, "nerf_max_freqs": 8,
+                       "nerf_tile_size": 512, "nerf_final_head_type": "conv", "nerf_embedder_dtype": torch.float32,
+                       "use_x0": False, "use_sequential_txt_ids": False},
     "HunyuanVideo": {"in_channels": 16, "out_channels": 16, "patch_size": [1, 2, 2], "vec_in_dim": 32,
                      "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
                      "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
@@ -119,7 +127,9 @@ TINY: dict[str, dict] = {
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
                                             "HunyuanVideo15": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
-                                            "HunyuanVideoI2V": ("meanflow_sum",)}
+                                            "HunyuanVideoI2V": ("meanflow_sum",),
+                                            "ChromaRadiance": ("txt_ids_dims", "vec_in_dim", "use_x0",
+                                                               "use_sequential_txt_ids")}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "HunyuanVideoI2V": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
@@ -140,11 +150,11 @@ EXTRAS: dict[str, dict[str, str]] = {
                   "concat_mask": "start_mask"},
     "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
     "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"}, "Chroma": {"pooled_output": "none"},
-    "HunyuanVideo15": {"pooled_output": "none"},
+    "HunyuanVideo15": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
     "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
 }
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
-PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512}
+PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
