@@ -39,6 +39,10 @@ TINY: dict[str, dict] = {
                   "in_dim": 36, "out_dim": 16},
     "WAN21_FunControl2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64,
                            "freq_dim": 32, "in_dim": 48, "out_dim": 16},
+    "WAN21_Camera": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                     "in_dim": 32, "out_dim": 16, "in_dim_control_adapter": 24},
+    "WAN22_Camera": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                     "in_dim": 36, "out_dim": 16, "in_dim_control_adapter": 24},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
@@ -142,14 +146,18 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 # image-to-video inputs as ComfyUI's WanImageToVideo node gives them for a one-frame clip: "clip_vision" (a
 # CLIP vision output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels),
 # "start_mask" (zeros: the frame is given; HunyuanImageToVideo's "v1 (concat)" gives the same two); WanFunControlToVideo's "control_latent": the control video's
-# latent and the start image's, 16 channels each.
+# latent and the start image's, 16 channels each; WanCameraImageToVideo's "camera" (WanCameraEmbedding's
+# Pluecker embedding: 6 x 4 frames = 24 channels at pixel resolution) with the start latent and mask.
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "HiDream": {"conditioning_llama3": "layers"},
     "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
                   "concat_mask": "start_mask"},
     "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
-    "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"}, "Chroma": {"pooled_output": "none"},
+    "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"},
+    "WAN21_Camera": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
+                     "concat_mask": "start_mask", "camera_conditions": "camera"},
+    "WAN22_Camera": {"concat_latent_image": "start_latent", "concat_mask": "start_mask", "camera_conditions": "camera"}, "Chroma": {"pooled_output": "none"},
     "HunyuanVideo15": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
     "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
 }
@@ -239,6 +247,8 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
             extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
         elif kind == "control_latent":
             extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
+        elif kind == "camera":
+            extra[key] = torch.randn((1, 24, 1, 32, 32), generator=gen)
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, 1, 4, 4))
         elif kind == "none":
