@@ -62,8 +62,8 @@ TINY: dict[str, dict] = {
              "axes_dims_rope": (8, 12, 12)},
     "QwenImage": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
                   "axes_dims_rope": (8, 12, 12)},
-    "Lumina2": {"in_channels": 16, "dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2, "multiple_of": 16,
-                "cap_feat_dim": 64, "axes_dims": (8, 12, 12)},
+    "Lumina2": {"in_channels": 16, "dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (8, 12, 12)},
     # Z-Image's modulation is 256 wide, so its width is at least 256
     "ZImage": {"in_channels": 16, "dim": 256, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
                "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (32, 48, 48), "z_image_modulation": True},
@@ -119,6 +119,11 @@ TINY: dict[str, dict] = {
                         "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
                         "guidance_embed": True, "byt5": False, "meanflow": False, "use_cond_type_embedding": False,
                         "vision_in_dim": None, "meanflow_sum": False},
+    "HunyuanVideoSkyreelsI2V": {"in_channels": 32, "out_channels": 16, "patch_size": [1, 2, 2], "vec_in_dim": 32,
+                                "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                                "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+                                "guidance_embed": True, "byt5": False, "meanflow": False,
+                                "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False},
     # HunyuanImage 2.1: HunyuanVideo's class on 2D, 64-channel latents (32x down), patch 1
     "HunyuanImage21": {"in_channels": 64, "out_channels": 64, "patch_size": [1, 1], "vec_in_dim": None,
                        "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
@@ -132,34 +137,41 @@ TINY: dict[str, dict] = {
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
                                             "HunyuanVideo15": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
                                             "HunyuanVideoI2V": ("meanflow_sum",),
+                                            "HunyuanVideoSkyreelsI2V": ("meanflow_sum",),
                                             "ChromaRadiance": ("txt_ids_dims", "vec_in_dim", "use_x0",
                                                                "use_sequential_txt_ids")}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
-    "SD3": (64, 32), "HunyuanVideo": (64, 32), "HiDream": (64, 32), "HunyuanVideoI2V": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None), "Lens": (256, None),
+    "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
+    "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
+    "HiDream": (64, 32),
 }
-# Conditioning entries besides the text (what the family's text encoder adds): key -> "mask" (1, tokens) of
-# ones ("int_mask": int64), "text" (1, tokens, 64) like the context, or "layers" (1, 2, tokens, 64): a text
-# encoder's hidden states of every layer (HiDream's Llama: the model picks its layers by llama_layers), or
-# "none": the key with None (Chroma's T5 and HunyuanVideo 1.5's Qwen encoders have no pooled output; the base
-# class reads the key);
-# image-to-video inputs as ComfyUI's WanImageToVideo node gives them for a one-frame clip: "clip_vision" (a
-# CLIP vision output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels),
-# "start_mask" (zeros: the frame is given; HunyuanImageToVideo's "v1 (concat)" gives the same two); WanFunControlToVideo's "control_latent": the control video's
-# latent and the start image's, 16 channels each; WanCameraImageToVideo's "camera" (WanCameraEmbedding's
-# Pluecker embedding: 6 x 4 frames = 24 channels at pixel resolution) with the start latent and mask.
+# Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
+# - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
+#   like the context; "layers": (1, 2, tokens, 64), a text encoder's hidden states of every layer (HiDream's
+#   Llama: the model picks its layers by llama_layers); "none": the key with None (Chroma's T5 and HunyuanVideo
+#   1.5's Qwen encoders have no pooled output; the base class reads the key).
+# - image-to-video inputs, as ComfyUI's nodes give them for a one-frame clip: "clip_vision" (a CLIP vision
+#   output, penultimate states 257 x 1280), "start_latent" (the start image's latent, 16 channels), "start_mask"
+#   (zeros: the frame is given) from WanImageToVideo (HunyuanImageToVideo's "v1 (concat)" gives the same two);
+#   "control_latent" from WanFunControlToVideo (the control video's latent and the start image's, 16 channels
+#   each); "camera" from WanCameraEmbedding (Pluecker embedding: 6 x 4 frames = 24 channels at pixel
+#   resolution), which WanCameraImageToVideo adds to the start latent and mask.
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
-    "HiDream": {"conditioning_llama3": "layers"},
+    "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
+    "Omnigen2": {"attention_mask": "int_mask"}, "HiDream": {"conditioning_llama3": "layers"},
+    "Chroma": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
+    "HunyuanVideo15": {"pooled_output": "none"},
+    "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
+    "HunyuanVideoSkyreelsI2V": {"concat_latent_image": "start_latent"},
     "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
                   "concat_mask": "start_mask"},
-    "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
     "WAN21_FunControl2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "control_latent"},
     "WAN21_Camera": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
                      "concat_mask": "start_mask", "camera_conditions": "camera"},
-    "WAN22_Camera": {"concat_latent_image": "start_latent", "concat_mask": "start_mask", "camera_conditions": "camera"}, "Chroma": {"pooled_output": "none"},
-    "HunyuanVideo15": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
-    "LTXV": {"attention_mask": "mask"}, "Omnigen2": {"attention_mask": "int_mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
+    "WAN22_Camera": {"concat_latent_image": "start_latent", "concat_mask": "start_mask",
+                     "camera_conditions": "camera"},
 }
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128}
