@@ -130,6 +130,10 @@ TINY: dict[str, dict] = {
                        "depth_single_blocks": 1, "axes_dim": [16, 16], "theta": 256, "qkv_bias": True,
                        "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": False,
                        "vision_in_dim": None, "meanflow_sum": False},
+    # Boogu: Omnigen2's blocks after a dual-stream stage (image / instruction attention)
+    "Boogu": {"hidden_size": 64, "num_layers": 1, "num_double_stream_layers": 1, "num_refiner_layers": 1,
+              "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16, "axes_dim_rope": [8, 12, 12],
+              "instruction_feat_dim": 64},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
@@ -160,7 +164,7 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
-    "Omnigen2": {"attention_mask": "int_mask"}, "HiDream": {"conditioning_llama3": "layers"},
+    "Omnigen2": {"attention_mask": "int_mask"}, "Boogu": {"attention_mask": "int_mask"}, "HiDream": {"conditioning_llama3": "layers"},
     "Chroma": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
     "HunyuanVideo15": {"pooled_output": "none"},
     "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
