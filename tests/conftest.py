@@ -6,6 +6,7 @@ ComfyUI's custom-node loader (see tests/comfy/conftest.py).
 """
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -46,10 +47,12 @@ def comfy_server(tmp_path_factory):
     from server_harness import ComfyServer
 
     base = str(tmp_path_factory.mktemp("comfy_server_base"))
-    # A test-only custom node (no nodes, never shipped): lets ComfyUI's detection know the tiny SDXL UNet of
-    # tests/sdxl_standin.py, so that the stock CheckpointLoaderSimple loads its checkpoint (SDXL workflows).
+    # Test-only custom nodes (no nodes, never shipped), tests/*_standin.py: each lets ComfyUI's detection know a
+    # tiny stand-in of a real family (e.g. sdxl_standin.py: the tiny SDXL UNet, so that the stock
+    # CheckpointLoaderSimple loads its checkpoint for the SDXL workflows).
     os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)
-    os.symlink(os.path.join(TESTS, "sdxl_standin.py"), os.path.join(base, "custom_nodes", "precision_sdxl_standin.py"))
+    for standin in sorted(glob.glob(os.path.join(TESTS, "*_standin.py"))):
+        os.symlink(standin, os.path.join(base, "custom_nodes", "precision_" + os.path.basename(standin)))
     server = ComfyServer.start(base)
     try:
         errors = server.pack_import_errors()

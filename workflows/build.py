@@ -11,6 +11,7 @@ tests/e2e/test_workflows.py checks that the committed pairs still agree and run.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -423,6 +424,24 @@ SPECS = {
     "inference_sdxl": sdxl_inference_spec,
 }
 
+
+def _family_specs() -> dict:
+    """Specs of the per-family workflow modules ``workflows/spec_<family>.py``: each has a ``SPECS`` dict of name ->
+    function returning a spec whose ``links`` is a list or a function of ComfyUI's /object_info."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(HERE, "spec_*.py"))):
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        clash = set(mod.SPECS) & (set(SPECS) | set(found))
+        if clash:
+            raise SystemExit(f"{os.path.basename(path)} redefines workflow(s) {sorted(clash)}")
+        found.update(mod.SPECS)
+    return found
+
+
+SPECS.update(_family_specs())
+
 BUILD_JS = r"""
 async (spec) => {
   const app = window.comfyAPI.app.app;
@@ -556,6 +575,8 @@ def build(names: list[str], server_url: str | None) -> None:
                 spec["links"] = real_train_links(info)
             elif spec["links"] == "sdxl_train":
                 spec["links"] = sdxl_train_links(info)
+            elif callable(spec["links"]):
+                spec["links"] = spec["links"](info)
             result = browser.evaluate(BUILD_JS, spec)
             workflow = result["workflow"]
             workflow["extra"] = {"ds": {"scale": 0.7, "offset": [520, 40]}}
