@@ -28,7 +28,7 @@ MAX_ASPECT = 4.0  # buckets span aspect ratios 1:4 .. 4:1; a more extreme image 
 # the grid trains there (on a padded border), so it is reported, not refused. Others fail in the model.
 _PADDING_FAMILIES = {"flux1", "flux2", "chroma"}
 # VAE downscale of latent formats that do not state it (ComfyUI 0.3.75 has no spacial_downscale_ratio).
-_DOWNSCALE_BY_FORMAT = {"Flux2": 16}
+_DOWNSCALE_BY_FORMAT = {"Flux2": 16, "Wan22": 16}
 
 
 def _int_of(value: Any) -> int | None:

@@ -121,3 +121,14 @@ def test_a_padding_model_trains_an_off_grid_latent_and_says_so(train, caplog):
         out = _train(train, model, make_latent(model, 1, width=72, height=96))
     assert out.result[3] == 1
     assert "the model pads it, so it trains" in caplog.text
+
+
+def test_wan22_5b_multiple_is_its_vae_16_times_patch_2(res):
+    """Wan 2.2 5B's VAE downscales 16x (ComfyUI 0.3.75's Wan22 latent format does not state it; 0.33 does): its
+    buckets are multiples of 32 px, so an 80 x 48 image cannot give a 5 x 3 latent off the 2 x 2 patch grid."""
+    import families
+
+    wan = families.build("WAN22_T2V")
+    assert res.pixel_multiple(wan) == 32
+    _, _, report = _run(res, [_image(80, 48, 0.5)], multiple=0, model=wan)
+    assert "multiple 32 px (from the model (" in report and "patch 2 x VAE 16))" in report, report
