@@ -25,7 +25,8 @@ from __future__ import annotations
 
 # Any Linear inside a module whose name contains "attn" / "attention" (Wan's self_attn.q, AuraFlow's
 # attn.w1q, Kandinsky5's self_attention.to_query, JoyImage's attn.img_attn_qkv, Krea2's attn.wq ...).
-_ANY_ATTN = (r"(?:.+\.)?[^.]*(?:attn|attention)[^.]*\..+",)
+# Wan S2V's audio injector is a list of cross-attention modules (audio_injector.injector.3.q / k / v / o).
+_ANY_ATTN = (r"(?:.+\.)?[^.]*(?:attn|attention)[^.]*\..+", r"(?:.+\.)?injector\.\d+\.(?:q|k|v|o)")
 # Any Linear inside a feed-forward module: mlp / mlpX / img_mlp / ffn / ff / audio_ff / ff_i (HiDream's
 # image / text feed-forwards ff_i, ff_t) / feed_forward.
 _ANY_MLP = (r"(?:.+\.)?(?:[^.]*(?:mlp|ffn|feed_forward|feedforward)[^.]*|(?:[a-z]+_)?ff(?:_[a-z])?)\..+",)

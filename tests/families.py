@@ -43,6 +43,17 @@ TINY: dict[str, dict] = {
                      "in_dim": 32, "out_dim": 16, "in_dim_control_adapter": 24},
     "WAN22_Camera": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                      "in_dim": 36, "out_dim": 16, "in_dim_control_adapter": 24},
+    # VACE: the T2V blocks and a control branch (vace_blocks, every num_layers // vace_layers-th block) on the
+    # VACE frames (16 + 16 latent channels) and their mask (64 channels): vace_in_dim 96
+    "WAN21_Vace": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                   "in_dim": 16, "out_dim": 16, "vace_in_dim": 96, "vace_layers": 1},
+    # HuMo (1.7B build: 16 input channels, no concat): every block has an audio cross-attention on the
+    # audio projection's tokens (Whisper features; the projection's widths are fixed in ComfyUI's class)
+    "WAN21_HuMo": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                   "in_dim": 16, "out_dim": 16},
+    # S2V: audio injected (cross-attention) after the blocks audio_inject_layers names; wav2vec2 features
+    "WAN22_S2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                  "in_dim": 16, "out_dim": 16, "audio_inject_layers": [0, 1]},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
@@ -130,6 +141,13 @@ TINY: dict[str, dict] = {
                        "depth_single_blocks": 1, "axes_dim": [16, 16], "theta": 256, "qkv_bias": True,
                        "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": False,
                        "vision_in_dim": None, "meanflow_sum": False},
+    # HunyuanImage 2.1's refiner: HunyuanVideo's class on 3D latents whose format packs two 32-channel frames into
+    # 64 channels; the input image's latent is concatenated (64 + 64 in), meanflow's time_r disabled by its conds
+    "HunyuanImage21Refiner": {"in_channels": 128, "out_channels": 64, "patch_size": [1, 1, 1], "vec_in_dim": None,
+                              "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
+                              "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
+                              "guidance_embed": True, "byt5": False, "meanflow": True,
+                              "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False},
     # Boogu: Omnigen2's blocks after a dual-stream stage (image / instruction attention)
     "Boogu": {"hidden_size": 64, "num_layers": 1, "num_double_stream_layers": 1, "num_refiner_layers": 1,
               "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16, "axes_dim_rope": [8, 12, 12],
@@ -142,6 +160,7 @@ NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim
                                             "HunyuanVideo15": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
                                             "HunyuanVideoI2V": ("meanflow_sum",),
                                             "HunyuanVideoSkyreelsI2V": ("meanflow_sum",),
+                                            "HunyuanImage21Refiner": ("meanflow_sum",),
                                             "ChromaRadiance": ("txt_ids_dims", "vec_in_dim", "use_x0",
                                                                "use_sequential_txt_ids")}
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
@@ -161,6 +180,10 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 #   "control_latent" from WanFunControlToVideo (the control video's latent and the start image's, 16 channels
 #   each); "camera" from WanCameraEmbedding (Pluecker embedding: 6 x 4 frames = 24 channels at pixel
 #   resolution), which WanCameraImageToVideo adds to the start latent and mask.
+# - audio, as ComfyUI's nodes give it for one latent frame: "humo_audio" (WanHuMoImageToVideo: Whisper
+#   features, 8-frame windows of 5 layer groups x 1280), "s2v_audio" (WanSoundImageToVideo: wav2vec2's 25
+#   layers x 1024, 4 audio frames per latent frame).
+# - "refiner_latent": the image HunyuanRefinerLatent concatenates (the refiner VAE's 32 channels, 1 frame).
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
@@ -176,7 +199,15 @@ EXTRAS: dict[str, dict[str, str]] = {
                      "concat_mask": "start_mask", "camera_conditions": "camera"},
     "WAN22_Camera": {"concat_latent_image": "start_latent", "concat_mask": "start_mask",
                      "camera_conditions": "camera"},
+    "HunyuanImage21Refiner": {"concat_latent_image": "refiner_latent"},
+    "WAN21_HuMo": {"audio_embed": "humo_audio"}, "WAN22_S2V": {"audio_embed": "s2v_audio"},
 }
+# Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
+# channels (1 frame) that the format's process_in packs into 64 (the start frame repeated).
+LATENT_CHANNELS: dict[str, int] = {"HunyuanImage21Refiner": 32}
+# Families sampled from an empty latent, as their latent node gives it (KSampler's fix_empty_latent_channels
+# then widens it to the format's channels): HunyuanRefinerLatent's zeros, the input image a concat condition.
+EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128}
 
@@ -243,7 +274,8 @@ def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tenso
     fmt = model.model.latent_format
     gen = torch.Generator().manual_seed(seed)
     spatial = (size // 8, size // 8)
-    shape = (1, fmt.latent_channels, frames, *spatial) if fmt.latent_dimensions == 3 else (1, fmt.latent_channels, *spatial)
+    channels = LATENT_CHANNELS.get(type(fmt).__name__, fmt.latent_channels)
+    shape = (1, channels, frames, *spatial) if fmt.latent_dimensions == 3 else (1, channels, *spatial)
     return torch.randn(shape, generator=gen)
 
 
@@ -265,6 +297,12 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
             extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
         elif kind == "camera":
             extra[key] = torch.randn((1, 24, 1, 32, 32), generator=gen)
+        elif kind == "humo_audio":
+            extra[key] = torch.randn((1, 1, 8, 5, 1280), generator=gen)
+        elif kind == "s2v_audio":
+            extra[key] = torch.randn((1, 25, 1024, 4), generator=gen)
+        elif kind == "refiner_latent":
+            extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, 1, 4, 4))
         elif kind == "none":
@@ -281,6 +319,8 @@ def denoise(model, name: str, seed: int = 0) -> torch.Tensor:
     import comfy.sample
 
     x = latent(model, seed, size=PIXELS.get(name, 32))
+    if name in EMPTY_LATENT:
+        x = comfy.sample.fix_empty_latent_channels(model, torch.zeros_like(x))
     cond = conditioning(name, seed)
     noise = comfy.sample.prepare_noise(x, seed)
     return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, x, disable_pbar=True, seed=seed)

@@ -5,7 +5,8 @@ attention calls that pass ``transformer_options``. Two kinds of call do not (Com
 
 - ComfyUI's own attention functions called without ``transformer_options``: PixArt α/Σ
   (``comfy.ldm.pixart``), HunyuanDiT (``comfy.ldm.hydit``, its pooler included), ErnieImage
-  (``comfy.ldm.ernie``);
+  (``comfy.ldm.ernie``); or with the module's empty default ``transformer_options={}`` because its caller
+  passed none down: Wan S2V's audio injector (``comfy.ldm.wan.model.AudioInjector_WAN``);
 - ``torch.nn.functional.scaled_dot_product_attention`` called directly (or through
   ``comfy.ops.scaled_dot_product_attention``): Mochi (``comfy.ldm.genmo``), Anima's LLM adapter
   (``comfy.ldm.anima``).
@@ -20,7 +21,8 @@ attention in sampling as in training.
 ``patch_attention`` adds to the patched clone's transformer_options only. For the duration of that model's forward it:
 
 1. replaces ComfyUI's attention functions, where a ``comfy.ldm`` module bound them at import, by shims
-   that add the forward's ``transformer_options`` when a call has none (ComfyUI's ``wrap_attn`` then
+   that add the forward's ``transformer_options`` when a call has none or an empty / override-less dict
+   (ComfyUI's ``wrap_attn`` then
    hands the call to the override as for every other model);
 2. replaces ``torch.nn.functional.scaled_dot_product_attention`` by a shim that hands a direct call to
    the override as a (B, H, L, D) call (``skip_reshape``), with the caller's ``scale`` as the base.
@@ -90,8 +92,12 @@ class _OptionsShim:
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         options = _active_options()
-        if options is not None and kwargs.get("transformer_options") is None:
+        given = kwargs.get("transformer_options")
+        if options is not None and not given:
             kwargs["transformer_options"] = options
+        elif options is not None and "optimized_attention_override" not in given:
+            # the module got options of its own but not the forward's (its caller passed none down)
+            kwargs["transformer_options"] = {**options, **given}
         return self.func(*args, **kwargs)
 
 

@@ -29,6 +29,16 @@ ENCODERS = {
 }
 
 
+def _packs_to(fmt: Any, samples: torch.Tensor, channels: int) -> bool:
+    """Whether the format's ``process_in`` maps a latent of these channels to the model's (HunyuanImage 2.1's
+    refiner: its VAE gives 32 channels, packed two frames into 64), tried on a 1x1 zero latent."""
+    probe = torch.zeros((1, samples.shape[1], *([1] * (samples.ndim - 2))))
+    try:
+        return fmt.process_in(probe).shape[1] == channels
+    except Exception:  # a format whose process_in needs other shapes: not a packing format
+        return False
+
+
 def latent_problem(model: Any, samples: Any) -> str | None:
     """Why ``samples`` (a LATENT's tensor) does not fit ``model``'s latent space, or None."""
     fmt = model.model.latent_format
@@ -36,7 +46,7 @@ def latent_problem(model: Any, samples: Any) -> str | None:
     channels = fmt.latent_channels
     if not isinstance(samples, torch.Tensor):
         return "is not a LATENT with a 'samples' tensor; connect a LATENT (VAE Encode or PrecisionDemoLatent)"
-    if samples.ndim != want_ndim or samples.shape[1] != channels:
+    if samples.ndim != want_ndim or (samples.shape[1] != channels and not _packs_to(fmt, samples, channels)):
         layout = "(B, C, T, H, W)" if want_ndim == 5 else "(B, C, H, W)"
         return (f"has shape {tuple(samples.shape)} but this model ({describe_model(model).family}) expects {layout} "
                 f"with C={channels}; encode the images with this model's VAE")

@@ -45,10 +45,14 @@ def _plan_counts(pack_module, model, name: str) -> list[str]:
     # Derived from ComfyUI's classes, not from paths: every Linear held directly by a module whose class
     # ComfyUI names an attention module is in the default preset (CogVideoX has no such class: its blocks
     # hold q/k/v/attn_out themselves, lora/presets.py's cogvideox table). AttentionPool modules (Mochi's and
-    # HunyuanDiT's text pooling, once per forward) are not the blocks' attention: presets leave them out.
+    # HunyuanDiT's text pooling, once per forward) are not the blocks' attention: presets leave them out. A
+    # class named a block (Wan VACE's VaceWanAttentionBlock) is a transformer block: the Linears it holds
+    # itself (VACE's zero-initialised before_proj / after_proj, the control branch's in / out) are not
+    # attention projections; its attention modules are matched by their own classes.
     attention_owned = {f"{owner}.{child}" if owner else child
                        for owner, module in model.model.diffusion_model.named_modules()
-                       if re.search(r"Attention|Attn", type(module).__name__) and "Pool" not in type(module).__name__
+                       if re.search(r"Attention|Attn", type(module).__name__)
+                       and not re.search(r"Pool|Block$", type(module).__name__)
                        for child, sub in module.named_children() if isinstance(sub, torch.nn.Linear)}
     missing = attention_owned - set(targets.select_targets(linears, family, "attention"))
     assert not missing, f"{name}: the attention preset misses {sorted(missing)[:5]}"
