@@ -63,12 +63,24 @@ def heads_and_dim(unet_config: dict, diffusion_model) -> tuple[int | None, int |
     return (int(heads) if heads else None), None
 
 
+def attention_modules_head_dim(diffusion_model) -> tuple[int | None, int | None]:
+    """(heads, head_dim) that every attention module of the model states itself (ComfyUI's attention classes keep
+    ``heads`` and ``dim_head``), or (None, None) when none does or they differ. For models whose config names
+    neither (Qwen-Image: detection gives only its block count; the widths are the class defaults)."""
+    found = {(m.heads, m.dim_head) for m in diffusion_model.modules()
+             if isinstance(getattr(m, "heads", None), int) and isinstance(getattr(m, "dim_head", None), int)}
+    return found.pop() if len(found) == 1 else (None, None)
+
+
 def describe_model(model) -> ModelInfo:
     """Describe a ComfyUI ModelPatcher (or BaseModel)."""
     base = getattr(model, "model", model)
     config = base.model_config
     name = type(config).__name__
     heads, head_dim = heads_and_dim(dict(config.unet_config), base.diffusion_model)
+    if head_dim is None:
+        module_heads, head_dim = attention_modules_head_dim(base.diffusion_model)
+        heads = heads or module_heads
     params = sum(p.numel() for p in base.diffusion_model.parameters())
     dtype = str(base.get_dtype()).replace("torch.", "")
     return ModelInfo(FAMILY_BY_CONFIG.get(name, name), name, heads, head_dim, params, dtype)
