@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .attention import node as attention
 from .checks import gate_errors
-from .dataset import cache as dataset_cache, node as dataset, resolution
+from .dataset import cache as dataset_cache, node as dataset, resolution, video_node as video_dataset
 from .host import housekeeping
 from .lora import node as lora, routes as lora_routes
 from .model import info as model_info, load as load_model
@@ -17,6 +17,7 @@ PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *load_model.NODES, *attention.NODES, *lora.NODES, *resolution.NODES, *train.NODES, *preview_node.NODES, *loss_graph.NODES, *probe.NODES,
     *dataset.NODES,
     *dataset_cache.NODES,
+    *video_dataset.NODES,
 ]
 # Each register() is idempotent: HTTP routes, the sweep of stale temporary files, and the middleware that
 # files each of the gate's messages once, under its input.

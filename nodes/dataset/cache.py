@@ -21,6 +21,7 @@ import torch
 
 from ...training.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
 from . import cache_glue as glue
+from .frames import frames_problem, vae_family, vae_frame_step
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io, ui
 
@@ -47,6 +48,7 @@ class CacheReport:
     rejected: list[str] = field(default_factory=list)
     not_stored: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    clips: str = ""  # with a video VAE: what the clips are and the latent frames they encode to
 
     def summary(self) -> str:
         n_img, n_txt = self.encoded["latents"] + self.cached["latents"], self.encoded["text"] + self.cached["text"]
@@ -54,6 +56,8 @@ class CacheReport:
                  f"{self.cached['latents']} from cache",
                  f"{self.captions} captions ({n_txt} distinct): {self.encoded['text']} encoded, "
                  f"{self.cached['text']} from cache"]
+        if self.clips:
+            parts.append(self.clips)
         if self.rejected:
             parts.append(f"{len(self.rejected)} cache entries failed verification and were encoded again")
         parts += self.not_stored
@@ -91,6 +95,22 @@ def _images(images: list) -> list[torch.Tensor]:
             shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
             raise _err(f"input 'images': image {i} (0-based) has shape {shape}; connect IMAGEs (B, H, W, 3 or 4)")
     return images
+
+
+def _check_frames(images: list[torch.Tensor], vae: Any) -> str:
+    """With a video VAE (each IMAGE batch is one clip, encoded to one video latent): refuses a clip whose
+    frame count the VAE does not encode whole, and says what the clips are; '' for an image VAE."""
+    step = vae_frame_step(vae)
+    if step is None:
+        return ""
+    lengths = [int(image.shape[0]) for image in images]
+    for i, n in enumerate(lengths):
+        problem = frames_problem(vae, n)
+        if problem is not None:
+            raise _err(f"input 'images': clip {i} (0-based, in the loader's order) {problem}")
+    shown = sorted(set(lengths))
+    return (f"{vae_family(vae)} video VAE ({step}k+1 frames): each image batch is one clip; frames "
+            f"{', '.join(f'{n} -> {(n - 1) // step + 1} latent' for n in shown)}")
 
 
 def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any) -> tuple[list[str], list[str], dict]:
@@ -156,8 +176,9 @@ def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, fold
     began = time.monotonic()
     images = _images(images)
     texts = _texts(texts, len(images))
+    clips = _check_frames(images, vae)
     image_keys, text_keys, items = _plan(images, texts, vae, clip)
-    report = CacheReport(folder, mode, images=len(images), captions=len(texts))
+    report = CacheReport(folder, mode, images=len(images), captions=len(texts), clips=clips)
     store = EntryStore(folder)
     hooks = glue.clip_hooks(clip)
     if hooks is not None:
@@ -221,7 +242,11 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
             is_input_list=True, is_output_node=True,
             inputs=[
                 io.Image.Input("images", tooltip="The images to train on (LoadImageTextDataSetFromFolder's images, or "
-                                                 "Precision Resolution Buckets' images)."),
+                                                 "Precision Resolution Buckets' images). With a video VAE (Wan, "
+                                                 "HunyuanVideo, LTXV, Mochi) each IMAGE batch is one clip (Precision "
+                                                 "Load Video Dataset's clips, Get Video Components' images): its "
+                                                 "frames must number 4k+1 (Wan, HunyuanVideo), 8k+1 (LTXV) or 6k+1 "
+                                                 "(Mochi)."),
                 io.Vae.Input("vae", tooltip="The VAE that encodes each image to its latent (e.g. Flux's ae)."),
                 io.Clip.Input("clip", tooltip="The text encoder(s) that encode each caption (e.g. DualCLIPLoader's "
                                               "clip_l + t5xxl)."),

@@ -37,6 +37,8 @@ AREAS = {
                   "PrecisionDemoPreview"),
     # checked in tests/e2e/test_dataset_cache_e2e.py: it needs a real-size CLIP-L and VAE (tests/real_arch.py)
     "dataset": ("PrecisionCachedTrainingDataset",),
+    # checked in tests/e2e/test_video_e2e.py: it trains on the Wan 2.2 5B stand-ins (tests/wan22_5b_standin.py)
+    "video": ("PrecisionLoadVideoDataset",),
 }
 # The pack's input-list nodes (each widget must come through a link once). 0.33's /object_info says which nodes
 # are (``is_input_list``: checked against this set); 0.3.75's does not carry the flag at all.
@@ -244,7 +246,7 @@ def coverage(info: dict, nodes: tuple[str, ...], prompts: list[dict]) -> tuple[l
 # Option lists that are not the pack's own: files or folders on disk, and ComfyUI's samplers and schedulers.
 NOT_OURS = {"PrecisionLoadDiffusionModel.model_name", "PrecisionLoadLoRA.lora_name", "PrecisionAttachLoRA.init_lora",
             "PrecisionPreviewSettings.sampler_name", "PrecisionPreviewSettings.scheduler",
-            "PrecisionLoadImageDataset.folder"}
+            "PrecisionLoadImageDataset.folder", "PrecisionLoadVideoDataset.folder"}
 
 
 def unused_options(info: dict, nodes: tuple[str, ...], prompts: list[dict], cannot_run: set[str]) -> list[str]:
