@@ -37,3 +37,16 @@ def test_modules_that_disagree_on_head_width_leave_it_unknown(pack_module):
     assert info_mod.attention_modules_head_dim(mixed) == (None, None)
     assert info_mod.attention_modules_head_dim(torch.nn.Sequential(Attn(2, 32), Attn(2, 32))) == (2, 32)
     assert info_mod.attention_modules_head_dim(torch.nn.Linear(2, 2)) == (None, None)
+
+
+@pytest.mark.parametrize("name", ["WAN21_T2V", "WAN22_T2V"])
+def test_wan_head_dim_comes_from_its_width_dim(pack_module, name):
+    """Wan's config names its width ``dim`` (detection: num_heads = dim // 128) and its attention modules keep
+    ``num_heads`` / ``head_dim``, not ``heads`` / ``dim_head``: the width must be read from ``dim``."""
+    info_mod = pack_module("nodes.model.info")
+    model = families.build(name)
+    tiny = families.TINY[name]
+    info = info_mod.describe_model(model)
+    assert (info.heads, info.head_dim) == (tiny["num_heads"], tiny["dim"] // tiny["num_heads"])
+    md = pack_module("nodes.lora.glue").attention_metadata(model, info)
+    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / math.sqrt(tiny["dim"] // tiny["num_heads"]))
