@@ -25,6 +25,8 @@ TINY: dict[str, dict] = {
                     "micro_condition": False, "model_max_length": 8, "pe_interpolation": 1.0},
     "HunyuanDiT": {"input_size": (8, 8), "hidden_size": 64, "depth": 2, "num_heads": 2, "text_states_dim": 64,
                    "text_states_dim_t5": 64, "text_len": 8, "text_len_t5": 8},
+    "HunyuanDiT1": {"input_size": (8, 8), "hidden_size": 64, "depth": 2, "num_heads": 2, "text_states_dim": 64,
+                    "text_states_dim_t5": 64, "text_len": 8, "text_len_t5": 8},
     "ErnieImage": {"hidden_size": 64, "num_attention_heads": 2, "num_layers": 2, "ffn_hidden_size": 128,
                    "text_in_dim": 64, "rope_axes_dim": (8, 12, 12)},
     "GenmoMochi": {"hidden_size_x": 64, "hidden_size_y": 32, "mlp_ratio_x": 192.0, "mlp_ratio_y": 2.0,
@@ -54,11 +56,33 @@ TINY: dict[str, dict] = {
     # S2V: audio injected (cross-attention) after the blocks audio_inject_layers names; wav2vec2 features
     "WAN22_S2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 16, "out_dim": 16, "audio_inject_layers": [0, 1]},
+    # Wan 2.2 Animate: the I2V blocks, a pose patch embedding and a face adapter (a face block after every 5th
+    # block: 5 blocks here) on a StyleGAN-style motion encoder of 512x512 face crops (its widths fixed by ComfyUI)
+    "WAN22_Animate": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 5, "text_dim": 64, "freq_dim": 32,
+                      "in_dim": 36, "out_dim": 16},
+    # Wan Animate 2: I2V-shaped blocks with a pose branch (the pose video's tokens add keys / values to the
+    # generation's self-attention frame by frame); latent frame 0 is the reference slot, so 2 frames
+    "WAN_Animate2": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                     "in_dim": 36, "out_dim": 16},
+    # Wan 2.1 variants on the T2V blocks: CausalAR (Self-Forcing-style autoregressive build), FlowRVS (video
+    # segmentation as image-to-image flow), SCAIL / SCAIL 2 (pose-driven animation: 20 input channels,
+    # reference image tokens ahead of the video's)
+    "WAN21_CausalAR_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64,
+                           "freq_dim": 32, "in_dim": 16, "out_dim": 16},
+    "WAN21_FlowRVS": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                      "in_dim": 16, "out_dim": 16},
+    "WAN21_SCAIL": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                    "in_dim": 20, "out_dim": 16},
+    "WAN21_SCAIL2": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                     "in_dim": 20, "out_dim": 16},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
                       "time_embed_dim": 32, "sample_width": 8, "sample_height": 8, "sample_frames": 1,
                       "max_text_seq_length": 8},
+    "CogVideoX_I2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
+                      "time_embed_dim": 32, "sample_width": 8, "sample_height": 8, "sample_frames": 1,
+                      "max_text_seq_length": 8, "in_channels": 32},
     "Kandinsky5": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
                    "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12)},
     "Kandinsky5Image": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
@@ -152,6 +176,11 @@ TINY: dict[str, dict] = {
     "Boogu": {"hidden_size": 64, "num_layers": 1, "num_double_stream_layers": 1, "num_refiner_layers": 1,
               "num_attention_heads": 2, "num_kv_heads": 2, "multiple_of": 16, "axes_dim_rope": [8, 12, 12],
               "instruction_feat_dim": 64},
+    # PixelDiT (T2I): pixel space, a patch-level DiT then pixel-level blocks with their own attention; its
+    # detection gives only image_model (the class's defaults are the released 1024px model), so every width here
+    "PixelDiTT2I": {"num_groups": 2, "hidden_size": 64, "pixel_hidden_size": 8, "pixel_attn_hidden_size": 32,
+                    "pixel_num_groups": 2, "patch_depth": 2, "pixel_depth": 1, "patch_size": 4, "txt_embed_dim": 64,
+                    "txt_max_length": 8},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
@@ -183,6 +212,8 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
 # - audio, as ComfyUI's nodes give it for one latent frame: "humo_audio" (WanHuMoImageToVideo: Whisper
 #   features, 8-frame windows of 5 layer groups x 1280), "s2v_audio" (WanSoundImageToVideo: wav2vec2's 25
 #   layers x 1024, 4 audio frames per latent frame).
+# - "face": WanAnimateToVideo's face video (512x512 crops in [-1, 1], one frame); its pose video latent is a
+#   "start_latent"-shaped latent.
 # - "refiner_latent": the image HunyuanRefinerLatent concatenates (the refiner VAE's 32 channels, 1 frame).
 EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
@@ -200,6 +231,13 @@ EXTRAS: dict[str, dict[str, str]] = {
     "WAN22_Camera": {"concat_latent_image": "start_latent", "concat_mask": "start_mask",
                      "camera_conditions": "camera"},
     "HunyuanImage21Refiner": {"concat_latent_image": "refiner_latent"},
+    "WAN22_Animate": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
+                      "concat_mask": "start_mask", "pose_video_latent": "start_latent", "face_video_pixels": "face"},
+    "WAN_Animate2": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
+                     "concat_mask": "start_mask", "pose_video_latent": "pose_latent"},
+    "HunyuanDiT1": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
+    "CogVideoX_I2V": {"concat_latent_image": "start_latent"},
+    "WAN21_SCAIL": {"reference_latents": "reference"}, "WAN21_SCAIL2": {"reference_latents": "reference"},
     "WAN21_HuMo": {"audio_embed": "humo_audio"}, "WAN22_S2V": {"audio_embed": "s2v_audio"},
 }
 # Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
@@ -208,8 +246,10 @@ LATENT_CHANNELS: dict[str, int] = {"HunyuanImage21Refiner": 32}
 # Families sampled from an empty latent, as their latent node gives it (KSampler's fix_empty_latent_channels
 # then widens it to the format's channels): HunyuanRefinerLatent's zeros, the input image a concat condition.
 EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
+# Latent frames where one is not enough (Wan Animate 2: frame 0 is the reference image's slot).
+FRAMES: dict[str, int] = {"WAN_Animate2": 2}
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
-PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128}
+PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
@@ -291,8 +331,8 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
 
             extra[key] = comfy.clip_vision.Output()
             extra[key]["penultimate_hidden_states"] = torch.randn((1, 257, 1280), generator=gen)
-        elif kind == "start_latent":
-            extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
+        elif kind == "start_latent":  # as many frames as the latent (Animate 2: the reference and one more)
+            extra[key] = torch.randn((1, 16, FRAMES.get(name, 1), 4, 4), generator=gen)
         elif kind == "control_latent":
             extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
         elif kind == "camera":
@@ -303,8 +343,14 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
             extra[key] = torch.randn((1, 25, 1024, 4), generator=gen)
         elif kind == "refiner_latent":
             extra[key] = torch.randn((1, 32, 1, 4, 4), generator=gen)
+        elif kind == "face":
+            extra[key] = torch.rand((1, 3, 1, 512, 512), generator=gen) * 2 - 1
+        elif kind == "pose_latent":  # the pose video's latent: the generated frames, not the reference slot
+            extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
+        elif kind == "reference":  # a reference image's latent, listed as ReferenceLatent / the node lists it
+            extra[key] = [torch.randn((1, 16, 1, 4, 4), generator=gen)]
         elif kind == "start_mask":
-            extra[key] = torch.zeros((1, 1, 1, 4, 4))
+            extra[key] = torch.zeros((1, 1, FRAMES.get(name, 1), 4, 4))
         elif kind == "none":
             extra[key] = None
         elif kind == "layers":
@@ -318,7 +364,7 @@ def denoise(model, name: str, seed: int = 0) -> torch.Tensor:
     """One euler step (cfg 1: one forward) through ComfyUI's sampler."""
     import comfy.sample
 
-    x = latent(model, seed, size=PIXELS.get(name, 32))
+    x = latent(model, seed, frames=FRAMES.get(name, 1), size=PIXELS.get(name, 32))
     if name in EMPTY_LATENT:
         x = comfy.sample.fix_empty_latent_channels(model, torch.zeros_like(x))
     cond = conditioning(name, seed)

@@ -83,7 +83,8 @@ def _memorise(pack_module, model, name: str, steps: int = STEPS, **settings_kw) 
     loop, lora, aglue = pack_module("training.loop"), pack_module("lora.config"), pack_module("nodes.attention.glue")
     settings = pack_module("training.settings").TrainSettings(learning_rate=1e-2, **settings_kw)
     config = pack_module("attention.config").AttentionConfig
-    latent = {"samples": families.latent(model, size=families.PIXELS.get(name, 32))}
+    latent = {"samples": families.latent(model, frames=families.FRAMES.get(name, 1),
+                                         size=families.PIXELS.get(name, 32))}
     cond = families.conditioning(name)
     with torch.inference_mode():
         model = aglue.patch_attention(model, config(scale_mode="multiplier", scale_value=1.25))
