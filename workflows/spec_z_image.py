@@ -1,0 +1,159 @@
+"""Z-Image (Turbo) workflows: train_lora_z_image.json and inference_z_image.json (loaded by workflows/build.py).
+
+Z-Image is a Lumina-2-style single-stream DiT (ComfyUI's ``ZImage`` / ``NextDiT``, 6 B parameters) with the
+Qwen3-4B text encoder and the Flux.1 VAE. Loaders, file names and sampling are those of ComfyUI's own template
+"Z-Image-Turbo Text to Image" (comfyui_workflow_templates: image_z_image_turbo.json): UNETLoader
+z_image_turbo_bf16.safetensors, CLIPLoader qwen_3_4b.safetensors (type lumina2), VAELoader ae.safetensors,
+ModelSamplingAuraFlow shift 3, KSampler 8 steps, cfg 1, res_multistep / simple, EmptySD3LatentImage 1024.
+"""
+from __future__ import annotations
+
+
+def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None) -> dict:
+    """A node as workflows/build.py builds it: type, canvas position, widget values by name."""
+    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
+            "control": control or {}}
+
+
+def _note(id_, pos, size, text) -> dict:
+    return _node(id_, "Note", pos, {"text": text}, size=size)
+
+
+MODEL = "z_image_turbo_bf16.safetensors"
+TEXT_ENCODER = "qwen_3_4b.safetensors"
+TEXT_ENCODER_TYPE = "lumina2"
+VAE = "ae.safetensors"
+DATASET = "my_lora_dataset"
+SHIFT = 3.0  # Z-Image's sampling shift (ComfyUI's ZImage config and the template's ModelSamplingAuraFlow)
+LORA_PREFIX = "precision_lora/my_z_image_lora"
+LORA = LORA_PREFIX + "_00001_.safetensors"
+
+TRAIN_NOTE = (
+    "Train a Z-Image LoRA on your own images (Z-Image Turbo; Z-Image base trains the same way)\n\n"
+    "To run it, pick names only:\n"
+    "1. Load Diffusion Model: your Z-Image file in models/diffusion_models (" + MODEL + ";\n"
+    "   for the base model pick z_image_bf16.safetensors).\n"
+    "2. Load CLIP: Qwen3-4B from models/text_encoders (" + TEXT_ENCODER + "), type " + TEXT_ENCODER_TYPE + ".\n"
+    "3. Load VAE: the Flux.1 VAE from models/vae (" + VAE + ").\n"
+    "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
+    "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n\n"
+    "Then Run. Precision Resolution Buckets fits every image to about 1024 x 1024 pixels (aspect kept, sides\n"
+    "multiples of 16: the VAE's 8 x Z-Image's 2 x 2 patches), Cached Training Dataset (Precision) encodes each\n"
+    "image with the VAE and each caption with Qwen3-4B once and keeps them in <ComfyUI>/cache/precision_lora/\n"
+    "dataset (later Runs and restarts read them back).\n"
+    "Attach LoRA: rank 16, targets 'attention' = the fused qkv and out projections of every block (main layers,\n"
+    "noise and context refiners); 'attention_mlp' adds the feed-forwards.\n"
+    "Train Settings: AdamW at 1e-4, timesteps sampled with shift 3 (Z-Image's own sampling shift), a\n"
+    "checkpoint every 250 steps into models/loras/my_z_image_lora/ (resume_from continues there).\n"
+    "vram_budget_gb=auto fits the run to your GPU: before loading the model, Train LoRA estimates its step and\n"
+    "turns on gradient checkpointing and block swap as far as needed, and shows the plan on the node.\n"
+    "Turbo is distilled to 8 steps: a long run on it slowly undoes that; keep runs short or train on the base.\n"
+    "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
+    "Save LoRA writes models/loras/" + LORA + " on the first run (the counter grows; it never\n"
+    "overwrites) with its training state beside it; Loss Graph saves the learning curve (PNG + CSV).\n"
+    "To use the LoRA: inference_z_image.json."
+)
+
+INFER_NOTE = (
+    "Generate with a Z-Image LoRA exactly as it was trained\n\n"
+    "To run it, pick names only: your Z-Image file (Load Diffusion Model, " + MODEL + "), Qwen3-4B\n"
+    "(Load CLIP, " + TEXT_ENCODER + ", type " + TEXT_ENCODER_TYPE + "), the Flux.1 VAE (Load VAE, " + VAE + ")\n"
+    "and the LoRA train_lora_z_image.json saved (Load LoRA (Precision): " + LORA + "\n"
+    "after its first run). Write your prompt (with the trigger word) in CLIP Text Encode.\n\n"
+    "As ComfyUI's Z-Image Turbo template: ModelSamplingAuraFlow shift 3, Empty SD3 Latent Image (16 channels,\n"
+    "1024 x 1024), KSampler 8 steps, cfg 1 (the zeroed negative is not used), res_multistep / simple; VAE\n"
+    "Decode and Save Image. For the base model (z_image_bf16.safetensors) ComfyUI's template uses 25 steps,\n"
+    "cfg 4 and a written negative prompt.\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
+)
+
+
+def train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 100]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {
+                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "shift", "shift": SHIFT,
+                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            _node(5, "CLIPLoader", [0, 450], {"clip_name": TEXT_ENCODER, "type": TEXT_ENCODER_TYPE}, size=[340, 110]),
+            _node(6, "VAELoader", [0, 600], {"vae_name": VAE}, size=[340, 60]),
+            _node(7, "LoadImageTextDataSetFromFolder", [0, 700], {"folder": DATASET}, size=[340, 80]),
+            _node(8, "PrecisionResolutionBuckets", [0, 820], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
+                  size=[340, 170]),
+            _node(9, "PrecisionCachedTrainingDataset", [0, 1030], {"cache": "use"}, size=[340, 130]),
+            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 2000, "seed": 0, "name": "my_z_image_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(11, "PrecisionSaveLoRA", [1200, 720], {
+                "filename_prefix": LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(12, "PrecisionLossGraph", [1640, 720], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_z_image_lora_loss"}, size=[560, 470]),
+            _note(13, [1200, 0], [800, 660], TRAIN_NOTE),
+        ],
+        "links": train_links,
+    }
+
+
+def train_links(info: dict) -> list[tuple]:
+    """Links of train_lora_z_image.json, by input and output names (checked against object_info)."""
+    def out(node_type: str, name: str) -> int:
+        names = info[node_type]["output_name"]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+        return names.index(name)
+
+    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
+                  "PrecisionCachedTrainingDataset")
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][out(t, "loss_map")]]
+    return [
+        (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
+        (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (1, 0, 8, "model"),
+        (8, out(b, "images"), 9, "images"), (8, out(b, "texts"), 9, "texts"), (6, 0, 9, "vae"), (5, 0, 9, "clip"),
+        (9, out(m, "latents"), 10, "latents"), (9, out(m, "conditioning"), 10, "conditioning"), (4, 0, 10, "settings"),
+        (10, out(t, "model"), 11, "model"), (10, out(t, "training_state"), 11, "training_state"),
+        (10, out(t, "loss_map"), 12, graph_in[0]),
+    ]
+
+
+def inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 100]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], {
+                "lora_name": LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0}, size=[360, 420]),
+            _node(3, "ModelSamplingAuraFlow", [800, 0], {"shift": SHIFT}, size=[300, 60]),
+            _node(4, "CLIPLoader", [0, 150], {"clip_name": TEXT_ENCODER, "type": TEXT_ENCODER_TYPE}, size=[340, 110]),
+            _node(5, "CLIPTextEncode", [0, 300], {"text": "a photo of sks"}, size=[340, 160]),
+            _node(6, "ConditioningZeroOut", [0, 500], size=[340, 30]),
+            _node(7, "EmptySD3LatentImage", [400, 470], {"width": 1024, "height": 1024, "batch_size": 1},
+                  size=[360, 110]),
+            _node(8, "KSampler", [800, 100], {
+                "seed": 0, "steps": 8, "cfg": 1.0, "sampler_name": "res_multistep", "scheduler": "simple",
+                "denoise": 1.0}, control={"seed": "fixed"}, size=[300, 270]),
+            _node(9, "VAELoader", [800, 410], {"vae_name": VAE}, size=[300, 60]),
+            _node(10, "VAEDecode", [800, 510], size=[300, 50]),
+            _node(11, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference_z_image"},
+                  size=[400, 440]),
+            _note(12, [0, 640], [1100, 290], INFER_NOTE),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 8, "model"), (4, 0, 5, "clip"),
+            (5, 0, 8, "positive"), (5, 0, 6, "conditioning"), (6, 0, 8, "negative"), (7, 0, 8, "latent_image"),
+            (8, 0, 10, "samples"), (9, 0, 10, "vae"), (10, 0, 11, "images"),
+        ],
+    }
+
+
+SPECS = {
+    "train_lora_z_image": train_spec,
+    "inference_z_image": inference_spec,
+}
