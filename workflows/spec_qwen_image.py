@@ -1,0 +1,156 @@
+"""Qwen-Image real workflows (issue 25 item 5): train_lora_qwen_image.json and inference_qwen_image.json.
+
+Loaded by workflows/build.py (``SPECS``). Model, text encoder and VAE come from ComfyUI's own loaders with the
+file names of ComfyUI's own Qwen-Image template (image_qwen_image.json of comfyui_workflow_templates: UNETLoader
+qwen_image_fp8_e4m3fn, CLIPLoader qwen_2.5_vl_7b_fp8_scaled type qwen_image, VAELoader qwen_image_vae); the
+inference graph samples as that template does (ModelSamplingAuraFlow shift 3.1, KSampler euler / simple, 20
+steps, cfg 2.5, EmptySD3LatentImage 1328 x 1328, an empty negative prompt).
+"""
+from __future__ import annotations
+
+MODEL = "qwen_image_fp8_e4m3fn.safetensors"
+TEXT_ENCODER = "qwen_2.5_vl_7b_fp8_scaled.safetensors"
+VAE = "qwen_image_vae.safetensors"
+DATASET = "my_lora_dataset"
+LORA_PREFIX = "precision_lora/my_qwen_image_lora"
+LORA = LORA_PREFIX + "_00001_.safetensors"  # Save LoRA's first file (ComfyUI's counter)
+SHIFT = 3.1  # the template's ModelSamplingAuraFlow shift
+
+TRAIN_NOTE = (
+    "Train a Qwen-Image LoRA on your own images (real training)\n\n"
+    "To run it, pick names only:\n"
+    "1. Load Diffusion Model: your Qwen-Image file in models/diffusion_models (" + MODEL + ";\n"
+    "   qwen_image_bf16.safetensors works too and needs about twice the memory).\n"
+    "2. Load CLIP: Qwen2.5-VL-7B in models/text_encoders (" + TEXT_ENCODER + "), type qwen_image.\n"
+    "3. Load VAE: the Qwen-Image VAE in models/vae (" + VAE + ").\n"
+    "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
+    "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n\n"
+    "Then Run. Precision Resolution Buckets fits every image to about 1024 x 1024 pixels (aspect kept, sides\n"
+    "multiples of 16 from the model); Cached Training Dataset (Precision) encodes each image with the VAE and each\n"
+    "caption with Qwen2.5-VL once and keeps them in <ComfyUI>/cache/precision_lora/dataset (later runs read them\n"
+    "back; a changed image, caption or encoder is encoded again).\n"
+    "Attach LoRA: rank 16, targets 'attention' = the image stream's to_q/to_k/to_v/to_out.0 and the text stream's\n"
+    "add_q/k/v_proj/to_add_out of each of the 60 blocks ('attention_mlp' adds img_mlp/txt_mlp, 'all' every Linear).\n"
+    "Train Settings: AdamW at 1e-4, timesteps logit-normal (Qwen-Image is a flow model; target auto), a checkpoint\n"
+    "every 250 steps into models/loras/my_qwen_image_lora/ (resume_from continues there).\n"
+    "vram_budget_gb=auto fits the run to your GPU: before loading the model, Train LoRA estimates its step and\n"
+    "turns on gradient checkpointing, block inputs in host memory and block swap as far as needed, and shows the\n"
+    "plan on the node (fp8, 1024 px, rank 16: ~24 GiB with checkpointing; 16 GiB with 22 of 59 blocks swapped;\n"
+    "docs/memory.md). Set a number of GiB to leave room for other programs, or 0 to choose yourself.\n"
+    "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
+    "Save LoRA writes models/loras/" + LORA + " on the first run (the counter grows; it never\n"
+    "overwrites) with its training state beside it; Loss Graph saves the learning curve (PNG + CSV).\n"
+    "To use the LoRA: inference_qwen_image.json (or ComfyUI's LoraLoaderModelOnly)."
+)
+
+INFER_NOTE = (
+    "Generate with a Qwen-Image LoRA exactly as it was trained\n\n"
+    "To run it, pick names only: your Qwen-Image file (Load Diffusion Model), Qwen2.5-VL-7B (Load CLIP, type\n"
+    "qwen_image), the Qwen-Image VAE (Load VAE) and the LoRA train_lora_qwen_image.json saved (Load LoRA\n"
+    "(Precision): " + LORA + " after its first run). Write your prompt (with the\n"
+    "trigger word) in the upper CLIP Text Encode; the lower one is the (empty) negative prompt.\n\n"
+    "As ComfyUI's own Qwen-Image template: ModelSamplingAuraFlow shift 3.1 (raise it if images come out blurry or\n"
+    "dark), Empty SD3 Latent Image 1328 x 1328, KSampler euler / simple, 20 steps, cfg 2.5 (cfg 1.0 is faster and\n"
+    "ignores the negative prompt). VAE Decode turns the latent into the image, Save Image writes it.\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
+)
+
+LOAD_LORA = {"lora_name": LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+             "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0}
+
+
+def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None):
+    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
+            "control": control or {}}
+
+
+def _out(info: dict, node_type: str, name: str) -> int:
+    names = info[node_type]["output_name"]
+    if name not in names:
+        raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+    return names.index(name)
+
+
+def train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 110]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {
+                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "logit_normal",
+                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            _node(5, "CLIPLoader", [0, 450], {"clip_name": TEXT_ENCODER, "type": "qwen_image", "device": "default"},
+                  size=[340, 130]),
+            _node(6, "VAELoader", [0, 620], {"vae_name": VAE}, size=[340, 60]),
+            _node(7, "LoadImageTextDataSetFromFolder", [0, 720], {"folder": DATASET}, size=[340, 80]),
+            _node(8, "PrecisionResolutionBuckets", [0, 840], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
+                  size=[340, 170]),
+            _node(9, "PrecisionCachedTrainingDataset", [0, 1050], {"cache": "use"}, size=[340, 130]),
+            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_qwen_image_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(11, "PrecisionSaveLoRA", [1200, 760], {
+                "filename_prefix": LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(12, "PrecisionLossGraph", [1640, 760], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_qwen_image_lora_loss"}, size=[560, 470]),
+            _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[820, 700]),
+        ],
+        "links": train_links,
+    }
+
+
+def train_links(info: dict) -> list[tuple]:
+    """Links of train_lora_qwen_image.json, by input and output names (checked against object_info)."""
+    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
+                  "PrecisionCachedTrainingDataset")
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][_out(info, t, "loss_map")]]
+    return [
+        (1, _out(info, "UNETLoader", "MODEL"), 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
+        (7, _out(info, d, "images"), 8, "images"), (7, _out(info, d, "texts"), 8, "texts"),
+        (1, _out(info, "UNETLoader", "MODEL"), 8, "model"),
+        (8, _out(info, b, "images"), 9, "images"), (8, _out(info, b, "texts"), 9, "texts"),
+        (6, _out(info, "VAELoader", "VAE"), 9, "vae"), (5, _out(info, "CLIPLoader", "CLIP"), 9, "clip"),
+        (9, _out(info, m, "latents"), 10, "latents"), (9, _out(info, m, "conditioning"), 10, "conditioning"),
+        (4, 0, 10, "settings"),
+        (10, _out(info, t, "model"), 11, "model"), (10, _out(info, t, "training_state"), 11, "training_state"),
+        (10, _out(info, t, "loss_map"), 12, graph_in[0]),
+    ]
+
+
+def inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 110]),
+            _node(2, "PrecisionLoadLoRA", [400, 0], LOAD_LORA, size=[360, 420]),
+            _node(3, "CLIPLoader", [0, 150], {"clip_name": TEXT_ENCODER, "type": "qwen_image", "device": "default"},
+                  size=[340, 130]),
+            _node(4, "CLIPTextEncode", [0, 320], {"text": "a photo of sks"}, size=[340, 160], title="Positive"),
+            _node(5, "CLIPTextEncode", [0, 520], {"text": ""}, size=[340, 120], title="Negative (empty)"),
+            _node(6, "ModelSamplingAuraFlow", [400, 470], {"shift": SHIFT}, size=[360, 60]),
+            _node(7, "EmptySD3LatentImage", [400, 570], {"width": 1328, "height": 1328, "batch_size": 1},
+                  size=[360, 110]),
+            _node(8, "KSampler", [800, 0], {
+                "seed": 0, "steps": 20, "cfg": 2.5, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(9, "VAELoader", [800, 310], {"vae_name": VAE}, size=[300, 60]),
+            _node(10, "VAEDecode", [800, 410], size=[300, 50]),
+            _node(11, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference_qwen_image"},
+                  size=[400, 440]),
+            _node(12, "Note", [0, 720], {"text": INFER_NOTE}, size=[1100, 280]),
+        ],
+        "links": [
+            (1, 0, 2, "model"), (2, 0, 6, "model"), (6, 0, 8, "model"), (3, 0, 4, "clip"), (3, 0, 5, "clip"),
+            (4, 0, 8, "positive"), (5, 0, 8, "negative"), (7, 0, 8, "latent_image"),
+            (8, 0, 10, "samples"), (9, 0, 10, "vae"), (10, 0, 11, "images"),
+        ],
+    }
+
+
+SPECS = {"train_lora_qwen_image": train_spec, "inference_qwen_image": inference_spec}
