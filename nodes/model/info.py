@@ -53,11 +53,14 @@ class ModelInfo:
 
 
 def heads_and_dim(unet_config: dict, diffusion_model) -> tuple[int | None, int | None]:
-    heads = unet_config.get("num_heads") or getattr(diffusion_model, "num_heads", None)
-    # Wan names its width "dim" (its attention modules keep num_heads / head_dim, not heads / dim_head)
+    # Lumina 2 / Z-Image (NextDiT) name their heads "n_heads"
+    heads = (unet_config.get("num_heads") or getattr(diffusion_model, "num_heads", None)
+             or (unet_config.get("n_heads") if unet_config.get("image_model") == "lumina2" else None))
+    # Wan, Lumina 2 and Z-Image name their width "dim" (their attention modules keep num_heads / head_dim or
+    # n_local_heads / head_dim, not heads / dim_head)
     width = (unet_config.get("hidden_size") or unet_config.get("model_channels")
              or getattr(diffusion_model, "hidden_size", None) or getattr(diffusion_model, "model_channels", None)
-             or (unet_config.get("dim") if unet_config.get("image_model") == "wan2.1" else None))
+             or (unet_config.get("dim") if unet_config.get("image_model") in ("wan2.1", "lumina2") else None))
     if heads and width and unet_config.get("image_model"):
         return int(heads), int(width) // int(heads)
     if unet_config.get("num_head_channels", -1) > 0:  # SD-style UNets: fixed head width

@@ -50,3 +50,16 @@ def test_wan_head_dim_comes_from_its_width_dim(pack_module, name):
     assert (info.heads, info.head_dim) == (tiny["num_heads"], tiny["dim"] // tiny["num_heads"])
     md = pack_module("nodes.lora.glue").attention_metadata(model, info)
     assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / math.sqrt(tiny["dim"] // tiny["num_heads"]))
+
+
+@pytest.mark.parametrize("name", ["Lumina2", "ZImage"])
+def test_lumina2_and_z_image_head_dim_comes_from_n_heads_and_dim(pack_module, name):
+    """Lumina 2 and Z-Image (NextDiT) name their heads ``n_heads`` and their width ``dim`` (detection: Z-Image 30
+    heads of 3840), and their JointAttention modules keep ``n_local_heads`` / ``head_dim``: both from the config."""
+    info_mod = pack_module("nodes.model.info")
+    model = families.build(name)
+    tiny = families.TINY[name]
+    info = info_mod.describe_model(model)
+    assert (info.heads, info.head_dim) == (tiny["n_heads"], tiny["dim"] // tiny["n_heads"])
+    md = pack_module("nodes.lora.glue").attention_metadata(model, info)
+    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / math.sqrt(tiny["dim"] // tiny["n_heads"]))
