@@ -206,7 +206,8 @@ def _caption_groups(conds: list[list]) -> list[list[int]]:
 
 def _size(model: Any, latent: torch.Tensor) -> str:
     fmt = model.model.latent_format
-    ratio = getattr(fmt, "spacial_downscale_ratio", None) or (16 if fmt.latent_channels == 128 else 8)
+    # 0.3.75's formats state no ratio: Flux.2 (128 channels) and Wan 2.2 (48) downscale 16x
+    ratio = getattr(fmt, "spacial_downscale_ratio", None) or (16 if fmt.latent_channels in (128, 48) else 8)
     h, w = int(latent.shape[-2]), int(latent.shape[-1])
     return f"{w * ratio}x{h * ratio} px"
 
