@@ -212,6 +212,7 @@ def test_the_video_folder_loader_decodes_as_comfyui_and_cuts_to_the_rule(pack_mo
     torch.testing.assert_close(strided.clips[2], stock[0:10:2][:1], rtol=0, atol=0)
     assert "walk.mp4: frame_stride 2: 5+ frames at 8 fps -> kept the first 1 (the frame rule)" in "\n".join(strided.lines)
     capped = files.load_clips(str(tmp_path), "input/clips", 4, 9, 1, decode)
+    torch.testing.assert_close(capped.clips[2], stock[:9], rtol=0, atol=0)  # 0.33 decodes only the frames needed
     assert capped.clips[2].shape[0] == 9 and \
         "walk.mp4: 9+ frames at 8 fps -> kept the first 9 (max_frames 9)" in "\n".join(capped.lines)
     with pytest.raises(files.DatasetError, match="still.png has no caption"):
