@@ -217,3 +217,15 @@ def test_the_video_folder_loader_decodes_as_comfyui_and_cuts_to_the_rule(pack_mo
         "walk.mp4: 9+ frames at 8 fps -> kept the first 9 (max_frames 9)" in "\n".join(capped.lines)
     with pytest.raises(files.DatasetError, match="still.png has no caption"):
         files.load_clips(str(tmp_path), "input/clips", 4, 33, 1, decode, missing_caption="refuse")
+
+
+def test_resolution_buckets_scale_every_frame_of_a_clip_alike(pack_module):
+    """PrecisionResolutionBuckets between the video loader and the dataset node: a clip keeps its frames, each
+    scaled and cropped as the first (a frame scaled alone equals the clip's frame)."""
+    res = pack_module("nodes.dataset.resolution")
+    clip = clip_frames(9, 40, seed=7)[:, :, :40]
+    wide = torch.cat([clip, clip.flip(2)], dim=2)  # (9, 40, 80, 3)
+    out, counts = res.bucket_images([wide, clip_frames(1, 48, seed=8)], 48, 16, 2.0)
+    assert out[0].shape[0] == 9 and out[1].shape[0] == 1 and len(counts) == 2
+    size = (int(out[0].shape[2]), int(out[0].shape[1]))
+    torch.testing.assert_close(out[0][4:5], res.fit(wide[4:5], size), rtol=0, atol=0)
