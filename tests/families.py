@@ -181,6 +181,10 @@ TINY: dict[str, dict] = {
     "PixelDiTT2I": {"num_groups": 2, "hidden_size": 64, "pixel_hidden_size": 8, "pixel_attn_hidden_size": 32,
                     "pixel_num_groups": 2, "patch_depth": 2, "pixel_depth": 1, "patch_size": 4, "txt_embed_dim": 64,
                     "txt_max_length": 8},
+    # Stable Cascade stage C (the prior, 16-channel latents); detection gives the stage and, per size, the
+    # widths / blocks. (Stage B is not a row: see docs/families.md.)
+    "Stable_Cascade_C": {"c_cond": 64, "c_hidden": [64, 64], "nhead": [2, 2], "blocks": [[1, 1], [1, 1]],
+                         "c_clip_text": 64, "c_clip_text_pooled": 64, "c_r": 64},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
@@ -196,7 +200,7 @@ NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim
 CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
     "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
-    "HiDream": (64, 32),
+    "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
 }
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
@@ -319,11 +323,19 @@ def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tenso
     return torch.randn(shape, generator=gen)
 
 
-def conditioning(name: str, seed: int = 0, tokens: int = 8) -> list:
+# Inputs the memorisation check leaves out (the forward counts keep them): Wan Animate's face crop runs a
+# StyleGAN-style motion encoder at 512x512 whose widths ComfyUI fixes (~5 s a training step on 1 CPU thread,
+# 2 min a row); the face adapter it feeds is not in the default preset, so the LoRA trained is the same modules.
+NOT_IN_TRAINING: frozenset[str] = frozenset({"face"})
+
+
+def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = False) -> list:
     width, pooled = context_width(name)
     gen = torch.Generator().manual_seed(seed + 1)
     extra = {"pooled_output": torch.randn((1, pooled), generator=gen)} if pooled else {}
     for key, kind in EXTRAS.get(name, {}).items():
+        if training and kind in NOT_IN_TRAINING:
+            continue
         if kind == "text":
             extra[key] = torch.randn((1, tokens, 64), generator=gen)
         elif kind == "clip_vision":

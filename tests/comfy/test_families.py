@@ -85,7 +85,7 @@ def _memorise(pack_module, model, name: str, steps: int = STEPS, **settings_kw) 
     config = pack_module("attention.config").AttentionConfig
     latent = {"samples": families.latent(model, frames=families.FRAMES.get(name, 1),
                                          size=families.PIXELS.get(name, 32))}
-    cond = families.conditioning(name)
+    cond = families.conditioning(name, training=True)
     with torch.inference_mode():
         model = aglue.patch_attention(model, config(scale_mode="multiplier", scale_value=1.25))
         attached = lglue.attach_lora(model, lora.LoRAConfig(rank=RANK, alpha=RANK))
