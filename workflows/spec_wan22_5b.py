@@ -1,0 +1,156 @@
+"""Wan 2.2 5B (TI2V) workflows: train_lora_wan22_5b.json (a LoRA from a folder of captioned images, each trained as
+a one-frame video) and inference_wan22_5b.json (ComfyUI's own Wan 2.2 5B text-to-video template's sampling with
+the LoRA). Read by workflows/build.py (SPECS); the file names are those of ComfyUI's template
+(video_wan2_2_5B_ti2v in comfyui_workflow_templates)."""
+from __future__ import annotations
+
+MODEL = "wan2.2_ti2v_5B_fp16.safetensors"
+CLIP = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+VAE = "wan2.2_vae.safetensors"
+DATASET = "my_lora_dataset"
+LORA_PREFIX = "precision_lora/my_wan22_5b_lora"
+LORA = LORA_PREFIX + "_00001_.safetensors"  # Save LoRA's counter names the first run's file this
+# ComfyUI's template: 1280 x 704, 121 frames at 24 fps, shift 8, uni_pc / simple, 20 steps, cfg 5, and its negative.
+WIDTH, HEIGHT, FRAMES, FPS = 1280, 704, 121, 24
+SHIFT = 8.0
+NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，丑陋的，"
+            "残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，"
+            "三条腿，背景人很多，倒着走")
+
+TRAIN_NOTE = (
+    "Train a Wan 2.2 5B (TI2V) LoRA on your own images\n\n"
+    "To run it, pick names only (the files of ComfyUI's Wan 2.2 5B template):\n"
+    "1. Load Diffusion Model: " + MODEL + " from models/diffusion_models.\n"
+    "2. Load CLIP: " + CLIP + " from models/text_encoders (type wan).\n"
+    "3. Load VAE: " + VAE + " from models/vae (the Wan 2.2 VAE, 48 channels; not the Wan 2.1 one).\n"
+    "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images and, beside\n"
+    "   each, a .txt of the same name holding its caption (trigger word included).\n"
+    "Resolution Buckets resizes every image to about 960 x 960 pixels of area (Wan 2.2 5B's 1280 x 704 is\n"
+    "0.9 MP), keeping its aspect, in steps of 32 (the VAE's 16 x the model's 2 x 2 patches). Cached Training\n"
+    "Dataset encodes each image with the VAE as a one-frame video (latent 1 x 48 x 1 x h/16 x w/16) and each\n"
+    "caption with umt5-xxl once, and keeps them in <ComfyUI>/cache/precision_lora/dataset for later Runs.\n\n"
+    "Then Run. Attach LoRA trains the attention projections of every block (self_attn and cross_attn q, k, v,\n"
+    "o: 8 layers x 30 blocks); 'attention_mlp' adds the feed-forward layers. Train Settings: timesteps\n"
+    "'shift' 3 (as Wan trainers usually do), vram_budget_gb=auto fits the run to your GPU (gradient\n"
+    "checkpointing and block swap as far as needed; the node shows the plan). Every 250 steps a checkpoint\n"
+    "lands in models/loras/my_wan22_5b_lora/. Save LoRA writes models/loras/" + LORA + "\n"
+    "(the counter grows; it never overwrites) with its training state beside it; Loss Graph saves the\n"
+    "learning curve.\n"
+    "Video clips instead of images: replace the folder loader with Precision Load Video Dataset (mp4/webm\n"
+    "clips + .txt captions, frame_rule 4k+1 for Wan: 1, 5, 9 ... frames); each clip trains as one video\n"
+    "latent. See docs/video.md (also ComfyUI's Load Video + Get Video Components).\n"
+    "To use the LoRA: inference_wan22_5b.json."
+)
+
+INFER_NOTE = (
+    "Generate a Wan 2.2 5B video with a LoRA exactly as it was trained\n\n"
+    "To run it, pick names only: " + MODEL + " (Load Diffusion Model), " + CLIP + "\n"
+    "(Load CLIP, type wan), " + VAE + " (Load VAE) and the LoRA train_lora_wan22_5b.json saved (Load LoRA\n"
+    "(Precision): " + LORA + " after its first run). Write your prompt (with the trigger word) in\n"
+    "Positive; Negative is the template's.\n\n"
+    "As ComfyUI's Wan 2.2 5B template: ModelSamplingSD3 shift 8, Wan22ImageToVideoLatent 1280 x 704, 121 frames\n"
+    "(connect a Load Image to its start_image for image-to-video), KSampler uni_pc / simple, 20 steps, cfg 5;\n"
+    "VAE Decode turns the latent into 121 frames; Save Animated WEBP writes them at the template's 24 fps\n"
+    "(output/precision_lora/). For an mp4, Create Video + Save Video (as the template) take the same frames.\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
+)
+
+
+def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None):
+    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
+            "control": control or {}}
+
+
+def _out(info: dict, node_type: str, name: str) -> int:
+    names = info[node_type]["output_name"]
+    if name not in names:
+        raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+    return names.index(name)
+
+
+def train_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 100]),
+            _node(2, "PrecisionPatchAttention", [0, 150], {
+                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
+            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(4, "PrecisionTrainSettings", [380, 550], {
+                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "shift", "shift": 3.0,
+                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            _node(5, "CLIPLoader", [0, 450], {"clip_name": CLIP, "type": "wan", "device": "default"}, size=[340, 110]),
+            _node(6, "VAELoader", [0, 600], {"vae_name": VAE}, size=[340, 60]),
+            _node(7, "LoadImageTextDataSetFromFolder", [0, 700], {"folder": DATASET}, size=[340, 80]),
+            _node(8, "PrecisionResolutionBuckets", [0, 820], {"resolution": 960, "multiple": 0, "max_upscale": 2.0},
+                  size=[340, 170]),
+            _node(9, "PrecisionCachedTrainingDataset", [0, 1040], {"cache": "use"}, size=[340, 130]),
+            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_wan22_5b_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(11, "PrecisionSaveLoRA", [1200, 700], {
+                "filename_prefix": LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(12, "PrecisionLossGraph", [1640, 700], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_wan22_5b_lora_loss"}, size=[560, 470]),
+            _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[780, 640]),
+        ],
+        "links": train_links,
+    }
+
+
+def train_links(info: dict) -> list[tuple]:
+    """By input and output names (checked against /object_info)."""
+    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
+                  "PrecisionCachedTrainingDataset")
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][_out(info, t, "loss_map")]]
+    return [
+        (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
+        (7, _out(info, d, "images"), 8, "images"), (7, _out(info, d, "texts"), 8, "texts"), (1, 0, 8, "model"),
+        (8, _out(info, b, "images"), 9, "images"), (8, _out(info, b, "texts"), 9, "texts"),
+        (6, 0, 9, "vae"), (5, 0, 9, "clip"),
+        (9, _out(info, m, "latents"), 10, "latents"), (9, _out(info, m, "conditioning"), 10, "conditioning"),
+        (4, 0, 10, "settings"),
+        (10, _out(info, t, "model"), 11, "model"), (10, _out(info, t, "training_state"), 11, "training_state"),
+        (10, _out(info, t, "loss_map"), 12, graph_in[0]),
+    ]
+
+
+def inference_spec() -> dict:
+    return {
+        "nodes": [
+            _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 100]),
+            _node(2, "CLIPLoader", [0, 140], {"clip_name": CLIP, "type": "wan", "device": "default"}, size=[340, 110]),
+            _node(3, "VAELoader", [0, 290], {"vae_name": VAE}, size=[340, 60]),
+            _node(4, "PrecisionLoadLoRA", [400, 0], {
+                "lora_name": LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+                "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0},
+                  size=[360, 420]),
+            _node(5, "ModelSamplingSD3", [400, 470], {"shift": SHIFT}, size=[360, 60]),
+            _node(6, "CLIPTextEncode", [0, 390], {"text": "a video of sks, the camera slowly moves right"},
+                  size=[340, 160], title="Positive"),
+            _node(7, "CLIPTextEncode", [0, 590], {"text": NEGATIVE}, size=[340, 200], title="Negative"),
+            _node(8, "Wan22ImageToVideoLatent", [400, 580], {"width": WIDTH, "height": HEIGHT, "length": FRAMES,
+                  "batch_size": 1}, size=[360, 170]),
+            _node(9, "KSampler", [800, 0], {
+                "seed": 0, "steps": 20, "cfg": 5.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
+                control={"seed": "fixed"}, size=[300, 270]),
+            _node(10, "VAEDecode", [800, 320], size=[300, 50]),
+            # Save Animated WEBP, not the template's Create Video + Save Video: those two gained inputs in ComfyUI
+            # 0.33 (bit_depth, a format combo with sub-widgets), so one saved graph would not fit 0.3.75 and 0.33.
+            _node(11, "SaveAnimatedWEBP", [1140, 0], {"filename_prefix": "precision_lora/wan22_5b", "fps": float(FPS),
+                  "lossless": False, "quality": 90, "method": "default"}, size=[420, 520]),
+            _node(12, "Note", [0, 840], {"text": INFER_NOTE}, size=[1100, 260]),
+        ],
+        "links": [
+            (1, 0, 4, "model"), (4, 0, 5, "model"), (5, 0, 9, "model"), (2, 0, 6, "clip"), (2, 0, 7, "clip"),
+            (6, 0, 9, "positive"), (7, 0, 9, "negative"), (3, 0, 8, "vae"), (8, 0, 9, "latent_image"),
+            (9, 0, 10, "samples"), (3, 0, 10, "vae"), (10, 0, 11, "images"),
+        ],
+    }
+
+
+SPECS = {"train_lora_wan22_5b": train_spec, "inference_wan22_5b": inference_spec}
