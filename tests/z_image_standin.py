@@ -26,7 +26,7 @@ registers two things, and nothing else changes:
   Z-Image / klein text-encoder wrappers are stock. Any other Qwen3 file loads as before.
 
     write_qwen3_4b_standin(path)   # ~0.9 GB in bf16 (the 151936 x 2560 token embedding is most of it)
-    write_z_image_standin(path)    # ~20 MB: 2 layers and 2 refiner layers of each kind, width 256
+    write_z_image_standin(path)    # ~14 MB: 2 layers and 2 refiner layers of each kind, width 256
     python tests/z_image_standin.py BASE_DIR    # both, cached in .cache/real_arch, linked into BASE_DIR/models
 
 A process that imports this module must have ComfyUI importable (a custom node, or after
