@@ -1,0 +1,177 @@
+"""Flux.2 klein 4B workflows for workflows/build.py: train_lora_flux2_klein.json and its inference twin
+inference_flux2_klein.json.
+
+ComfyUI's own loaders with the names of the files ComfyUI's Flux.2 klein template loads
+(comfyui_workflow_templates, ``image_flux2_klein_text_to_image``): UNETLoader (Load Diffusion Model) with the
+*base* 4B model (the template family ships a base model, sampled with CFG in 20 steps, and a 4-step distilled
+one; a LoRA trains on the base), CLIPLoader type flux2 with Qwen3-4B, VAELoader with the Flux.2 VAE. The
+inference graph samples as that template's base subgraph does: Flux2Scheduler (20 steps) -> CFGGuider (cfg 5,
+an empty negative prompt) -> SamplerCustomAdvanced (euler) on EmptyFlux2LatentImage, then VAE Decode.
+"""
+from __future__ import annotations
+
+KLEIN_MODEL = "flux-2-klein-base-4b.safetensors"
+KLEIN_TEXT_ENCODER = "qwen_3_4b.safetensors"
+KLEIN_VAE = "flux2-vae.safetensors"
+KLEIN_DATASET = "my_lora_dataset"
+KLEIN_LORA_PREFIX = "precision_lora/my_klein_lora"
+# Save LoRA's default counter (ComfyUI's _00001_ suffix) names the first run's file this.
+KLEIN_LORA = KLEIN_LORA_PREFIX + "_00001_.safetensors"
+
+KLEIN_TRAIN_NOTE = (
+    "Train a Flux.2 klein 4B LoRA on your own images\n\n"
+    "To run it, pick names only:\n"
+    "1. Load Diffusion Model: the klein *base* model in models/diffusion_models (" + KLEIN_MODEL + ",\n"
+    "   or its fp8 file). Train on the base model, not the 4-step distilled flux-2-klein-4b: the LoRA then\n"
+    "   works on the base model (inference_flux2_klein.json) and usually on the distilled one too.\n"
+    "2. Load CLIP: Qwen3-4B from models/text_encoders (" + KLEIN_TEXT_ENCODER + "), type flux2.\n"
+    "3. Load VAE: the Flux.2 VAE from models/vae (" + KLEIN_VAE + ").\n"
+    "4. Load Image and Text Dataset from Folder: a folder under ComfyUI's input/ with your images (png, jpg,\n"
+    "   webp) and, beside each, a .txt of the same name holding its caption (trigger word included).\n\n"
+    "Then Run. Precision Resolution Buckets fits every image to about 1024 x 1024 pixels (aspect kept, sides\n"
+    "multiples of 16 from the model), Cached Training Dataset (Precision) encodes each image with the VAE and\n"
+    "each caption with Qwen3-4B once and keeps them in <ComfyUI>/cache/precision_lora/dataset.\n"
+    "Attach LoRA: rank 16, targets 'attention' = img_attn/txt_attn qkv + proj of the 5 double blocks and\n"
+    "linear1/linear2 of the 20 single blocks (60 Linears; 'community' adds the double blocks' MLPs).\n"
+    "Train Settings: AdamW at 1e-4, timesteps logit-normal (flow matching, target auto), a checkpoint every\n"
+    "250 steps into models/loras/my_klein_lora/ (resume_from continues there).\n"
+    "vram_budget_gb=auto fits the run to your GPU: before loading the model, Train LoRA estimates its step and\n"
+    "turns on gradient checkpointing and block swap as far as needed, and shows the plan on the node.\n"
+    "Patch Attention sets the softmax scale of every attention call; it is recorded in the LoRA.\n"
+    "Save LoRA writes models/loras/" + KLEIN_LORA + " on the first run (the counter grows; it never\n"
+    "overwrites) with its training state beside it; Loss Graph saves the learning curve (PNG + CSV).\n"
+    "To use the LoRA: inference_flux2_klein.json."
+)
+
+KLEIN_INFER_NOTE = (
+    "Generate with a Flux.2 klein 4B LoRA exactly as it was trained\n\n"
+    "To run it, pick names only: the klein base model (Load Diffusion Model: " + KLEIN_MODEL + "),\n"
+    "Qwen3-4B (Load CLIP, type flux2), the Flux.2 VAE (Load VAE) and the LoRA train_lora_flux2_klein.json saved\n"
+    "(Load LoRA (Precision): " + KLEIN_LORA + " after its first run). Write your prompt (with the\n"
+    "trigger word) in the upper CLIP Text Encode; the lower one is the negative (empty, as ComfyUI's template).\n\n"
+    "As ComfyUI's Flux.2 klein base template: Empty Flux 2 Latent at 1024 x 1024, Flux2Scheduler (20 steps, the\n"
+    "same width and height), CFGGuider (cfg 5), euler, SamplerCustomAdvanced; VAE Decode and Save Image.\n"
+    "For the distilled flux-2-klein-4b: 4 steps, cfg 1.\n"
+    "Load LoRA (Precision) applies the attention settings recorded in the file (softmax scale, backend):\n"
+    "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
+)
+
+PATCH_WIDGETS = {"backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0, "softclamp": 0.0,
+                 "fp32_softmax": False}
+LOAD_LORA_WIDGETS = {
+    "lora_name": KLEIN_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
+    "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0,
+}
+
+
+def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None) -> dict:
+    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
+            "control": control or {}}
+
+
+def _note(id_, pos, size, text) -> dict:
+    return _node(id_, "Note", pos, {"text": text}, size=size)
+
+
+def _loaders(model_pos, clip_pos, vae_pos) -> list[dict]:
+    """UNETLoader, CLIPLoader and VAELoader (ids 1, 2, 3) with the template's file names."""
+    return [
+        _node(1, "UNETLoader", model_pos, {"unet_name": KLEIN_MODEL, "weight_dtype": "default"}, size=[340, 100]),
+        _node(2, "CLIPLoader", clip_pos, {"clip_name": KLEIN_TEXT_ENCODER, "type": "flux2"}, size=[340, 110]),
+        _node(3, "VAELoader", vae_pos, {"vae_name": KLEIN_VAE}, size=[340, 60]),
+    ]
+
+
+def train_spec() -> dict:
+    return {
+        "nodes": [
+            *_loaders([0, 0], [0, 450], [0, 610]),
+            _node(4, "PrecisionPatchAttention", [0, 150], PATCH_WIDGETS, size=[340, 260]),
+            _node(5, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
+                  control={"seed": "fixed"}, size=[340, 500]),
+            _node(6, "PrecisionTrainSettings", [380, 550], {
+                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "logit_normal",
+                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            _node(7, "LoadImageTextDataSetFromFolder", [0, 710], {"folder": KLEIN_DATASET}, size=[340, 80]),
+            _node(8, "PrecisionResolutionBuckets", [0, 830], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
+                  size=[340, 170]),
+            _node(9, "PrecisionCachedTrainingDataset", [0, 1050], {"cache": "use"}, size=[340, 130]),
+            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_klein_lora"},
+                  control={"seed": "fixed"}, size=[400, 470]),
+            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
+            _node(11, "PrecisionSaveLoRA", [1200, 760], {
+                "filename_prefix": KLEIN_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+                "use_counter": True, "overwrite": False}, size=[400, 190]),
+            _node(12, "PrecisionLossGraph", [1640, 760], {"smoothing": 0.9, "log_scale": False, "width": 768,
+                  "height": 384, "filename_prefix": "precision_lora/my_klein_lora_loss"}, size=[560, 470]),
+            _note(13, [1200, 0], [900, 700], KLEIN_TRAIN_NOTE),
+        ],
+        "links": train_links,
+    }
+
+
+def train_links(info: dict) -> list[tuple]:
+    """Links of train_lora_flux2_klein.json, by input and output names (checked against object_info)."""
+    def out(node_type: str, name: str) -> int:
+        names = info[node_type]["output_name"]
+        if name not in names:
+            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
+        return names.index(name)
+
+    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
+                  "PrecisionCachedTrainingDataset")
+    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
+                if spec[0] == info[t]["output"][out(t, "loss_map")]]
+    if not graph_in:
+        raise SystemExit(f"PrecisionLossGraph has no input of type {info[t]['output'][out(t, 'loss_map')]}")
+    return [
+        (1, 0, 4, "model"), (4, 0, 5, "model"), (5, 0, 10, "model"),
+        (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (1, 0, 8, "model"),
+        (8, out(b, "images"), 9, "images"), (8, out(b, "texts"), 9, "texts"), (3, 0, 9, "vae"), (2, 0, 9, "clip"),
+        (9, out(m, "latents"), 10, "latents"), (9, out(m, "conditioning"), 10, "conditioning"), (6, 0, 10, "settings"),
+        (10, out(t, "model"), 11, "model"), (10, out(t, "training_state"), 11, "training_state"),
+        (10, out(t, "loss_map"), 12, graph_in[0]),
+    ]
+
+
+def inference_spec() -> dict:
+    return {
+        "nodes": [
+            *_loaders([0, 0], [0, 150], [1140, 560]),
+            _node(4, "PrecisionLoadLoRA", [400, 0], LOAD_LORA_WIDGETS, size=[360, 420]),
+            _node(5, "CLIPTextEncode", [0, 310], {"text": "a photo of sks"}, size=[340, 160], title="Positive"),
+            _node(6, "CLIPTextEncode", [0, 510], {"text": ""}, size=[340, 120], title="Negative"),
+            _node(7, "EmptyFlux2LatentImage", [400, 470], {"width": 1024, "height": 1024, "batch_size": 1},
+                  size=[360, 110]),
+            _node(8, "Flux2Scheduler", [400, 620], {"steps": 20, "width": 1024, "height": 1024}, size=[360, 110]),
+            _node(9, "CFGGuider", [800, 0], {"cfg": 5.0}, size=[300, 100]),
+            _node(10, "KSamplerSelect", [800, 140], {"sampler_name": "euler"}, size=[300, 60]),
+            _node(11, "RandomNoise", [800, 240], {"noise_seed": 0}, control={"noise_seed": "fixed"}, size=[300, 90]),
+            _node(12, "SamplerCustomAdvanced", [800, 370], size=[300, 130]),
+            _node(13, "VAEDecode", [800, 540], size=[300, 50]),
+            _node(14, "SaveImage", [1140, 0], {"filename_prefix": "precision_lora/inference_flux2_klein"},
+                  size=[400, 520]),
+            _note(15, [0, 780], [1100, 270], KLEIN_INFER_NOTE),
+        ],
+        "links": inference_links,
+    }
+
+
+def inference_links(info: dict) -> list[tuple]:
+    """Links of inference_flux2_klein.json (SamplerCustomAdvanced's outputs by name)."""
+    names = info["SamplerCustomAdvanced"]["output_name"]
+    if "output" not in names:
+        raise SystemExit(f"SamplerCustomAdvanced has no output 'output' (has {names})")
+    return [
+        (1, 0, 4, "model"), (4, 0, 9, "model"), (2, 0, 5, "clip"), (2, 0, 6, "clip"),
+        (5, 0, 9, "positive"), (6, 0, 9, "negative"),
+        (11, 0, 12, "noise"), (9, 0, 12, "guider"), (10, 0, 12, "sampler"), (8, 0, 12, "sigmas"),
+        (7, 0, 12, "latent_image"),
+        (12, names.index("output"), 13, "samples"), (3, 0, 13, "vae"), (13, 0, 14, "images"),
+    ]
+
+
+SPECS = {
+    "train_lora_flux2_klein": train_spec,
+    "inference_flux2_klein": inference_spec,
+}
