@@ -26,6 +26,7 @@ from PIL import Image
 
 import comfy.model_management as mm
 
+from ..dataset.resolution import latent_multiple
 from ..host.comfy_io import io, ui
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,11 @@ def _multiple(model: Any, vae: Any) -> tuple[int, int]:
     """(pixels per latent cell, pixels a preview size must be a multiple of) for ``model`` and ``vae``."""
     fmt = model.model.latent_format
     down = getattr(vae, "downscale_ratio", None)
+    if isinstance(down, (tuple, list)) and down and isinstance(down[-1], int):
+        down = down[-1]  # video VAEs: (frames function, height ratio, width ratio)
     if not isinstance(down, int):
         down = getattr(fmt, "spacial_downscale_ratio", 16 if fmt.latent_channels == 128 else 8)
-    unet = getattr(model.model.model_config, "unet_config", {}) or {}
-    patch = unet.get("patch_size") or unet.get("patch_spatial") or 1
-    return down, down * (patch if isinstance(patch, int) else 1)
+    return down, down * latent_multiple(model)
 
 
 def check_fits(model: Any, previews: list[PreviewSettings]) -> None:
