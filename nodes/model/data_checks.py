@@ -22,7 +22,8 @@ _POOLED_KEYS = {"flux": "vec_in_dim", "chroma": "vec_in_dim"}
 # The text encoder each family was trained with, as the user loads it in ComfyUI.
 ENCODERS = {
     "flux1": "Flux.1 needs CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
-    "flux2": "Flux.2 needs its own text encoder (CLIPLoader, type flux2: Mistral-Small-3 for Flux.2 dev)",
+    "flux2": ("Flux.2 needs its own text encoder (CLIPLoader, type flux2: Mistral-Small-3 for Flux.2 dev, Qwen3-4B "
+              "for Flux.2 klein 4B, Qwen3-8B for klein 9B)"),
     "chroma": "Chroma needs T5-XXL (CLIPLoader, type chroma)",
     "cosmos_predict2": "Cosmos-Predict2 needs the old T5-XXL (CLIPLoader, type cosmos)",
     "anima": "Anima needs Qwen3 0.6B (CLIPLoader with the Qwen3-0.6B file)",

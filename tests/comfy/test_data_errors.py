@@ -58,3 +58,12 @@ def test_shared_1d_extras_are_not_cut_when_the_batch_equals_the_token_count(env)
         assert torch.equal(row_ctx, ctx[r:r + 1])
         assert torch.equal(extra["t5xxl_ids"], ids)  # shared, whole
         assert torch.equal(extra["pooled_output"], pooled[r:r + 1])  # batched, per row
+
+
+def test_a_flux2_model_given_the_wrong_encoder_names_klein_s_encoders_too(env):
+    """Flux.2 klein users were told to load Mistral-Small-3 (Flux.2 dev's encoder); klein 4B/9B use Qwen3."""
+    from models import tiny_flux2
+
+    problem = env.checks.conditioning_problem(tiny_flux2(), [[torch.randn(1, 8, 768), {}]])
+    assert problem.endswith("Flux.2 needs its own text encoder (CLIPLoader, type flux2: Mistral-Small-3 for "
+                            "Flux.2 dev, Qwen3-4B for Flux.2 klein 4B, Qwen3-8B for klein 9B)"), problem
