@@ -102,6 +102,11 @@ TINY: dict[str, dict] = {
     # Z-Image's modulation is 256 wide, so its width is at least 256
     "ZImage": {"in_channels": 16, "dim": 256, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
                "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (32, 48, 48), "z_image_modulation": True},
+    # Z-Image pixel space: Z-Image's blocks on RGB patches (patch 4 here) and an MLP decoder per patch
+    "ZImagePixelSpace": {"in_channels": 3, "dim": 256, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2,
+                         "n_kv_heads": 2, "multiple_of": 16, "cap_feat_dim": 64, "axes_dims": (32, 48, 48),
+                         "z_image_modulation": True, "patch_size": 4, "decoder_hidden_size": 32,
+                         "decoder_num_res_blocks": 1, "decoder_max_freqs": 4, "decoder_in_channels": 48},
     "MageFlow": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 64,
                  "axes_dims_rope": (8, 12, 12)},
     # The UNets (openaimodel's UNetModel): ComfyUI detects them from a state dict, so the class's unet_config
@@ -253,7 +258,8 @@ EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 # Latent frames where one is not enough (Wan Animate 2: frame 0 is the reference image's slot).
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
-PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128}
+PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128,
+                          "ZImagePixelSpace": 128}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
