@@ -187,9 +187,13 @@ TINY: dict[str, dict] = {
                     "pixel_num_groups": 2, "patch_depth": 2, "pixel_depth": 1, "patch_size": 4, "txt_embed_dim": 64,
                     "txt_max_length": 8},
     # Stable Cascade stage C (the prior, 16-channel latents); detection gives the stage and, per size, the
-    # widths / blocks. (Stage B is not a row: see docs/families.md.)
+    # widths / blocks.
     "Stable_Cascade_C": {"c_cond": 64, "c_hidden": [64, 64], "nhead": [2, 2], "blocks": [[1, 1], [1, 1]],
                          "c_clip_text": 64, "c_clip_text_pooled": 64, "c_r": 64},
+    # Stable Cascade stage B (the decoder to the VAE's 4-channel latent; stage C's latent is its `effnet` input):
+    # four levels, attention (AttnBlock) only at the two deepest ones, ResBlocks' channelwise MLPs everywhere
+    "Stable_Cascade_B": {"c_hidden": [32, 32, 64, 64], "nhead": [-1, -1, 2, 2], "blocks": [[1, 1, 1, 1], [1, 1, 1, 1]],
+                         "block_repeat": [[1, 1, 1, 1], [1, 1, 1, 1]], "c_cond": 64, "c_clip": 64, "c_r": 64},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
 }
@@ -206,6 +210,7 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
     "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
     "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
+    "Stable_Cascade_B": (64, 64),
 }
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
@@ -259,7 +264,7 @@ EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128,
-                          "ZImagePixelSpace": 128}
+                          "ZImagePixelSpace": 128, "Stable_Cascade_B": 128}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
