@@ -75,6 +75,10 @@ TINY: dict[str, dict] = {
                     "in_dim": 20, "out_dim": 16},
     "WAN21_SCAIL2": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                      "in_dim": 20, "out_dim": 16},
+    # WanDancer: I2V-shaped blocks, a music encoder (its widths fixed by ComfyUI: 256, 4 heads) whose features a
+    # cross-attention injects after the blocks audio_inject_layers names, a second (global) patch embedding / head
+    "WAN22_WanDancer": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
+                        "in_dim": 36, "out_dim": 16, "audio_inject_layers": [0, 1]},
     "WAN22_T2V": {"dim": 64, "ffn_dim": 128, "num_heads": 2, "num_layers": 2, "text_dim": 64, "freq_dim": 32,
                   "in_dim": 48},
     "CogVideoX_T2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
@@ -154,6 +158,19 @@ TINY: dict[str, dict] = {
                        "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
                        "guidance_embed": False, "byt5": True, "meanflow": False, "use_cond_type_embedding": True,
                        "vision_in_dim": 1152, "meanflow_sum": True},
+    # HunyuanVideo 1.5 SR (distilled): 1.5's blocks on the noise (32), the low-resolution latent and the start
+    # image's with their masks (HunyuanVideo15SuperResolution's 66 channels): 98 in
+    "HunyuanVideo15_SR_Distilled": {"in_channels": 98, "out_channels": 32, "patch_size": [1, 1, 1],
+                                    "vec_in_dim": None, "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
+                                    "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12],
+                                    "theta": 256, "qkv_bias": True, "guidance_embed": False, "byt5": True,
+                                    "meanflow": False, "use_cond_type_embedding": True, "vision_in_dim": 1152,
+                                    "meanflow_sum": True},
+    # LongCat-Image: Flux's blocks without a pooled vector or guidance, Qwen2.5-VL text (3584 wide: a match key)
+    "LongCatImage": {"in_channels": 16, "out_channels": 16, "patch_size": 2, "context_in_dim": 3584,
+                     "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+                     "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True, "guidance_embed": False,
+                     "vec_in_dim": None, "txt_ids_dims": [1, 2]},
     "HunyuanVideoI2V": {"in_channels": 33, "out_channels": 16, "patch_size": [1, 2, 2], "vec_in_dim": 32,
                         "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1,
                         "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "qkv_bias": True,
@@ -186,6 +203,17 @@ TINY: dict[str, dict] = {
     "PixelDiTT2I": {"num_groups": 2, "hidden_size": 64, "pixel_hidden_size": 8, "pixel_attn_hidden_size": 32,
                     "pixel_num_groups": 2, "patch_depth": 2, "pixel_depth": 1, "patch_size": 4, "txt_embed_dim": 64,
                     "txt_max_length": 8},
+    # PiD: PixelDiT decoding / upscaling a latent (lq_latent, a 16-channel Flux / SD3 latent at 1/32 of the
+    # output here: sr_scale 4 x 8 px) injected through sigma-gated projections before every lq_interval-th patch
+    # block; detection gives lq_hidden_dim and lq_interval (14 blocks / 7 gates released), the rest as PixelDiT
+    "PiD": {"num_groups": 2, "hidden_size": 64, "pixel_hidden_size": 8, "pixel_attn_hidden_size": 32,
+            "pixel_num_groups": 2, "patch_depth": 2, "pixel_depth": 1, "patch_size": 4, "txt_embed_dim": 64,
+            "txt_max_length": 8, "lq_hidden_dim": 32, "lq_interval": 2, "lq_num_res_blocks": 1,
+            "lq_latent_channels": 16, "latent_spatial_down_factor": 8},
+    # SeedVR2 (video restoration, its 3B layout: swiglu MLPs, every block multimodal): the degraded video's latent
+    # and a mask channel are its `condition` (SeedVR2Conditioning); text is a fixed 5120-wide embedding
+    "SeedVR2": {"vid_dim": 64, "heads": 2, "head_dim": 32, "num_layers": 2, "norm_eps": 1e-5, "mlp_type": "swiglu",
+                "vid_out_norm": True, "rope_dim": 24},
     # Stable Cascade stage C (the prior, 16-channel latents); detection gives the stage and, per size, the
     # widths / blocks.
     "Stable_Cascade_C": {"c_cond": 64, "c_hidden": [64, 64], "nhead": [2, 2], "blocks": [[1, 1], [1, 1]],
@@ -199,7 +227,8 @@ TINY: dict[str, dict] = {
 }
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
-                                            "HunyuanVideo15": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
+                                            "HunyuanVideo15": ("meanflow_sum",),
+                                            "HunyuanVideo15_SR_Distilled": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
                                             "HunyuanVideoI2V": ("meanflow_sum",),
                                             "HunyuanVideoSkyreelsI2V": ("meanflow_sum",),
                                             "HunyuanImage21Refiner": ("meanflow_sum",),
@@ -210,7 +239,7 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
     "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
     "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
-    "Stable_Cascade_B": (64, 64),
+    "Stable_Cascade_B": (64, 64), "LongCatImage": (3584, None), "SeedVR2": (5120, None),
 }
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
@@ -234,7 +263,9 @@ EXTRAS: dict[str, dict[str, str]] = {
     "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
     "Omnigen2": {"attention_mask": "int_mask"}, "Boogu": {"attention_mask": "int_mask"}, "HiDream": {"conditioning_llama3": "layers"},
     "Chroma": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
-    "HunyuanVideo15": {"pooled_output": "none"},
+    "HunyuanVideo15": {"pooled_output": "none"}, "LongCatImage": {"pooled_output": "none"},
+    "HunyuanVideo15_SR_Distilled": {"pooled_output": "none", "concat_latent_image": "sr_latent",
+                                    "noise_augmentation": "sr_noise"},
     "HunyuanVideoI2V": {"concat_latent_image": "start_latent", "concat_mask": "start_mask"},
     "HunyuanVideoSkyreelsI2V": {"concat_latent_image": "start_latent"},
     "WAN21_I2V": {"clip_vision_output": "clip_vision", "concat_latent_image": "start_latent",
@@ -252,6 +283,11 @@ EXTRAS: dict[str, dict[str, str]] = {
     "HunyuanDiT1": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "CogVideoX_I2V": {"concat_latent_image": "start_latent"},
     "WAN21_SCAIL": {"reference_latents": "reference"}, "WAN21_SCAIL2": {"reference_latents": "reference"},
+    "WAN22_WanDancer": {"clip_vision_output": "clip_vision", "clip_vision_output_ref": "clip_vision",
+                        "concat_latent_image": "start_latent", "concat_mask": "start_mask",
+                        "audio_embed": "music", "fps": "fps", "audio_inject_scale": "one"},
+    "PiD": {"lq_latent": "lq_latent", "degrade_sigma": "zero_sigma"},
+    "SeedVR2": {"condition": "seedvr_condition"},
     "WAN21_HuMo": {"audio_embed": "humo_audio"}, "WAN22_S2V": {"audio_embed": "s2v_audio"},
 }
 # Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
@@ -263,15 +299,20 @@ EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 # Latent frames where one is not enough (Wan Animate 2: frame 0 is the reference image's slot).
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
-PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128,
-                          "ZImagePixelSpace": 128, "Stable_Cascade_B": 128}
+PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128, "PiD": 128,
+                          "ZImagePixelSpace": 128, "Stable_Cascade_B": 128,
+                          "WAN22_WanDancer": 64}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
     """Names of the gains of every normalisation layer, found by class (GroupNorm, LayerNorm, RMSNorm, ...):
     the UNets name theirs by index (``input_blocks.1.0.in_layers.0``, ``out.0``), Lumina's ``cap_embedder.0``."""
-    return {f"{owner}.{p}" if owner else p for owner, sub in module.named_modules() if "Norm" in type(sub).__name__
-            for p, _ in sub.named_parameters(recurse=False) if p in ("weight", "scale")}
+    gains = {f"{owner}.{p}" if owner else p for owner, sub in module.named_modules() if "Norm" in type(sub).__name__
+             for p, _ in sub.named_parameters(recurse=False) if p in ("weight", "scale")}
+    # SeedVR2's AdaSingle multiplies the normalised input by (time-embedding scale + its own `<layer>_scale`)
+    # with no 1 added: its `_scale` parameters are gains
+    return gains | {f"{owner}.{p}" for owner, sub in module.named_modules() if type(sub).__name__ == "AdaSingle"
+                    for p, _ in sub.named_parameters(recurse=False) if p.endswith("_scale")}
 
 
 def _fill(module: torch.nn.Module, seed: int) -> None:
@@ -372,6 +413,24 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = Fal
             extra[key] = torch.randn((1, 16, 1, 4, 4), generator=gen)
         elif kind == "reference":  # a reference image's latent, listed as ReferenceLatent / the node lists it
             extra[key] = [torch.randn((1, 16, 1, 4, 4), generator=gen)]
+        elif kind == "sr_latent":  # HunyuanVideo15SuperResolution: the low-resolution latent and its mask channel
+            extra[key] = torch.zeros((1, 66, 1, 4, 4))
+            extra[key][:, 33:65] = torch.randn((1, 32, 1, 4, 4), generator=gen)
+            extra[key][:, 65] = 1
+        elif kind == "sr_noise":  # the node's default noise augmentation of the low-resolution latent
+            extra[key] = 0.7
+        elif kind == "music":  # WanDancer's music features (35 per video frame at 30 fps)
+            extra[key] = torch.randn((1, 4, 35), generator=gen)
+        elif kind == "fps":  # the rate WanDancer's audio node gives (30: the base patch embedding / head)
+            extra[key] = 30.0
+        elif kind == "one":
+            extra[key] = 1.0
+        elif kind == "lq_latent":  # PiDConditioning: the low-quality image's latent (format's process_in), 4-D
+            extra[key] = torch.randn((1, 16, 4, 4), generator=gen)
+        elif kind == "zero_sigma":  # PiDConditioning's default degrade_sigma
+            extra[key] = torch.tensor([0.0])
+        elif kind == "seedvr_condition":  # SeedVR2Conditioning: the degraded video's latent and a ones mask channel
+            extra[key] = torch.cat((torch.randn((1, 16, 1, 4, 4), generator=gen), torch.ones((1, 1, 1, 4, 4))), dim=1)
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, FRAMES.get(name, 1), 4, 4))
         elif kind == "none":

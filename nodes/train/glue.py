@@ -100,7 +100,10 @@ def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, dev
     def denoised(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
         ctx = clone_saved_tensors() if in_place_fix else contextlib.nullcontext()
         with ctx:
-            return base.apply_model(x_t, sigma, transformer_options=dict(topts), **cond).float()
+            # every sample is a positive (cond) chunk, as ComfyUI's sampler lists them (SeedVR2 splits its text
+            # batch into negative / positive halves unless cond_or_uncond says every chunk is one branch)
+            options = {**topts, "cond_or_uncond": [0] * x_t.shape[0]}
+            return base.apply_model(x_t, sigma, transformer_options=options, **cond).float()
 
     def predict(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
         x0_hat = denoised(x_t, sigma, cond)
