@@ -40,8 +40,60 @@ def _packs_to(fmt: Any, samples: torch.Tensor, channels: int) -> bool:
         return False
 
 
-def latent_problem(model: Any, samples: Any) -> str | None:
-    """Why ``samples`` (a LATENT's tensor) does not fit ``model``'s latent space, or None."""
+def audio_video_parts(model: Any) -> tuple[int, int] | None:
+    """(audio channels, frequency bins) when ``model`` samples a packed audio-video latent (LTX-2's LTXAV: a
+    video latent and an audio latent in one LATENT, as LTXVConcatAVLatent makes it), else None."""
+    import comfy.model_base
+
+    cls = getattr(comfy.model_base, "LTXAV", None)
+    if cls is None or not isinstance(model.model, cls):
+        return None
+    dm = model.model.diffusion_model
+    return int(dm.num_audio_channels), int(dm.audio_frequency_bins)
+
+
+def is_packed(samples: Any) -> bool:
+    """Whether a LATENT's 'samples' is ComfyUI's NestedTensor (several latents packed: video + audio)."""
+    return not isinstance(samples, torch.Tensor) and bool(getattr(samples, "is_nested", False))
+
+
+_CONCAT = ("connect LTXVConcatAVLatent (video_latent from this model's video VAE, audio_latent from its audio VAE "
+           "encode or LTXVEmptyLatentAudio)")
+
+
+def _packed_problem(model: Any, samples: Any, av: tuple[int, int] | None) -> str | None:
+    parts = list(samples.unbind())
+    shapes = ", ".join(str(tuple(t.shape)) for t in parts)
+    family = describe_model(model).family
+    if av is None:
+        return (f"is an audio-video LATENT (parts {shapes}) but this model ({family}) takes one latent tensor; "
+                "connect the video part (LTXVSeparateAVLatent's video_latent); the audio-video model the pack trains "
+                "on such a LATENT is LTX-2 (LTXAV)")
+    if len(parts) != 2 or not all(isinstance(t, torch.Tensor) for t in parts):
+        return f"is a packed LATENT of {len(parts)} parts ({shapes}) but this model ({family}) takes video + audio; {_CONCAT}"
+    video, audio = parts
+    problem = latent_problem(model, video, _plain=True)
+    if problem is not None:
+        return f"has a video part that {problem}"
+    channels, bins = av
+    if audio.ndim != 4 or audio.shape[1] != channels or audio.shape[3] != bins or audio.shape[0] != video.shape[0]:
+        return (f"has an audio part of shape {tuple(audio.shape)} but this model ({family}) expects (B, {channels}, "
+                f"frames, {bins}) with the video's batch {video.shape[0]}; encode the audio with this model's audio "
+                "VAE (LTXVAudioVAEEncode) or use LTXVEmptyLatentAudio")
+    if audio.is_floating_point() and not bool(torch.isfinite(audio).all()):
+        return "has an audio part that holds NaN/inf; encode the audio again (check the audio VAE and its dtype)"
+    return None
+
+
+def latent_problem(model: Any, samples: Any, _plain: bool = False) -> str | None:
+    """Why ``samples`` (a LATENT's tensor, or a packed audio-video NestedTensor) does not fit ``model``'s latent
+    space, or None."""
+    av = None if _plain else audio_video_parts(model)
+    if is_packed(samples):
+        return _packed_problem(model, samples, av)
+    if av is not None and isinstance(samples, torch.Tensor):
+        return (f"is a plain latent of shape {tuple(samples.shape)} but this model ({describe_model(model).family}) "
+                f"is an audio-video model that trains on its video and audio latents packed together; {_CONCAT}")
     fmt = model.model.latent_format
     want_ndim = 2 + getattr(fmt, "latent_dimensions", 2)
     channels = fmt.latent_channels
