@@ -9,6 +9,9 @@ Accepted shapes (``latents`` and ``conditionings`` are lists, as ComfyUI passes 
   else cannot be matched to the images and is refused with both counts (a ConditioningCombine of two
   captions for three images used to train every image on the first caption).
 Latents are converted with ``process_latent_in`` and cloned out of inference mode once, in fp32.
+An audio-video LATENT (LTX-2: LTXVConcatAVLatent's NestedTensor of a video and an audio latent) is packed flat,
+(1, N) per sample, as ComfyUI's sampler packs it, and its part shapes reach the model's conds as
+``latent_shapes``: one sigma, one noise draw per element and one flow target for the pack, as the sampler has it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from ...training.grad import clone_if_inference
 from ...training.loop import Sample
-from ..model.data_checks import conditioning_problem, latent_problem
+from ..model.data_checks import conditioning_problem, is_packed, latent_problem
 from ..dataset.resolution import size_problem
 
 NODE = "PrecisionTrainLoRA"
@@ -29,23 +32,37 @@ def _err(input_name: str, message: str) -> ValueError:
     return ValueError(f"[Precision LoRA] {NODE}: input '{input_name}': {message}")
 
 
-def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
-    """Per-sample latents (C, ...) in model space, and for each the index of the LATENT it came from."""
-    rows, owner = [], []
+def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], list[int], list[Any]]:
+    """Per-sample latents (C, ...) in model space, for each the index of the LATENT it came from, and the
+    shapes of the parts a packed audio-video latent was packed from (None for a plain latent)."""
+    rows, owner, layouts = [], [], []
     for i, latent in enumerate(latents):
         samples = latent.get("samples") if isinstance(latent, dict) else None
-        if not isinstance(samples, torch.Tensor):
+        if not isinstance(samples, torch.Tensor) and not is_packed(samples):
             raise _err("latents", f"item {i} is not a LATENT dict with a 'samples' tensor")
-        problem = latent_problem(model, samples) or size_problem(model, samples)
+        problem = latent_problem(model, samples) or size_problem(model, _video_part(samples))
         if problem is not None:
             raise _err("latents", f"latent {i} {problem}")
-        x = model.model.process_latent_in(clone_if_inference(samples).float()).float().clone()
+        layout = None
+        if is_packed(samples):  # as ComfyUI's sampler: flat (B, 1, N) pack, the part shapes as a cond
+            import comfy.utils
+
+            packed, shapes = comfy.utils.pack_latents([clone_if_inference(t).float() for t in samples.unbind()])
+            x = model.model.process_latent_in(packed).float().clone()
+            layout = [(1, *tuple(shape)[1:]) for shape in shapes]
+        else:
+            x = model.model.process_latent_in(clone_if_inference(samples).float()).float().clone()
         for row in x:
             rows.append(row)
             owner.append(i)
+            layouts.append(layout)
     if not rows:
         raise _err("latents", "the dataset is empty: connect at least one latent with batch size >= 1")
-    return rows, owner
+    return rows, owner, layouts
+
+
+def _video_part(samples: Any) -> torch.Tensor:
+    return samples.unbind()[0] if is_packed(samples) else samples
 
 
 def _cond_rows(model: Any, conditionings: list[Any], input_name: str) -> list[list]:
@@ -115,15 +132,18 @@ def _assign(items: list[list[list]], conditionings: list[Any], sizes: list[int],
                f"images; {_FIX}")
 
 
-def _encode(model: Any, cond: list, x0: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """One conditioning row -> the model's processed conds {name: COND} for a batch of one."""
+def _encode(model: Any, cond: list, x0: torch.Tensor, device: torch.device,
+            latent_shapes: list | None = None) -> dict[str, Any]:
+    """One conditioning row -> the model's processed conds {name: COND} for a batch of one. ``latent_shapes``:
+    the part shapes of a packed audio-video latent, given to the model's conds as ComfyUI's sampler does."""
     import comfy.sampler_helpers
     import comfy.samplers
 
     converted = comfy.sampler_helpers.convert_cond([cond])
     noise = torch.zeros((1, *x0.shape), dtype=torch.float32)
+    extra = {"latent_shapes": latent_shapes} if latent_shapes is not None else {}
     encoded = comfy.samplers.encode_model_conds(model.model.extra_conds, converted, noise, device, "positive",
-                                                latent_image=noise, seed=0)
+                                                latent_image=noise, seed=0, **extra)
     out = {}
     for name, c in encoded[0]["model_conds"].items():
         processed = c.process_cond(batch_size=1, area=None)
@@ -131,6 +151,13 @@ def _encode(model: Any, cond: list, x0: torch.Tensor, device: torch.device) -> d
             processed = processed._copy_with(clone_if_inference(processed.cond).to(device))
         out[name] = processed
     return out
+
+
+def sample_latent_shapes(sample: Sample) -> list | None:
+    """The part shapes a packed sample's conds carry (None for a plain latent): its other conds (the empty
+    caption's) must carry them too."""
+    c = sample.cond.get("latent_shapes")
+    return c.cond if c is not None else None
 
 
 def _group_key(conds: dict[str, Any]) -> tuple:
@@ -220,10 +247,10 @@ def _empty_samples(model: Any, conds: list[list], empty: list[Any] | None) -> li
 
 
 def _report(model: Any, samples: list[Sample], conds: list[list], n_rows: int, n_latents: int,
-            empty: list[Any] | None = None) -> DatasetReport:
+            empty: list[Any] | None = None, videos: list[torch.Tensor] | None = None) -> DatasetReport:
     sizes: dict[str, int] = {}
-    for s in samples:
-        key = _size(model, s.latent)
+    for v in videos if videos is not None else [s.latent for s in samples]:  # a packed sample: its video part
+        key = _size(model, v)
         sizes[key] = sizes.get(key, 0) + 1
     buckets = len({(tuple(s.latent.shape), s.group) for s in samples})
     groups = _caption_groups(conds)
@@ -253,7 +280,7 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
         raise _err("latents", "the dataset is empty: connect at least one latent")
     if not conditionings:
         raise _err("conditioning", "no conditioning connected")
-    rows, owner = _latent_rows(model, latents)
+    rows, owner, layouts = _latent_rows(model, latents)
     sizes = [owner.count(i) for i in range(len(latents))]
     items = _cond_items(model, conditionings, "conditioning")
     conds = _assign(items, conditionings, sizes, "conditioning")
@@ -262,9 +289,10 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
         classes = _assign(_cond_items(model, class_conditionings, "class_conditioning"), class_conditionings,
                           sizes, "class_conditioning")
     samples = []
-    for x0, cond, ccond in zip(rows, conds, classes):
-        enc = _encode(model, cond, x0, device)
-        cenc = _encode(model, ccond, x0, device) if ccond is not None else None
+    for x0, cond, ccond, layout in zip(rows, conds, classes, layouts):
+        enc = _encode(model, cond, x0, device, layout)
+        cenc = _encode(model, ccond, x0, device, layout) if ccond is not None else None
         group = (_group_key(enc), _group_key(cenc) if cenc is not None else None)
         samples.append(Sample(latent=x0, cond=enc, group=group, class_cond=cenc))
-    return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty)
+    videos = [torch.empty(layout[0][1:], device="meta") if layout else s.latent for s, layout in zip(samples, layouts)]
+    return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty, videos)
