@@ -39,5 +39,6 @@ def with_empty_caption(model: Any, samples: list[Sample], empty: list[Any] | Non
         rows = train_data._cond_rows(model, empty, "empty_conditioning")
         if len(rows) != 1:
             raise _err(f"has {len(rows)} conditioning rows; connect exactly one (the encoding of an empty text)")
-        return [dataclasses.replace(s, empty_cond=train_data._encode(model, rows[0], s.latent, device))
+        return [dataclasses.replace(s, empty_cond=train_data._encode(model, rows[0], s.latent, device,
+                                                                         train_data.sample_latent_shapes(s)))
                 for s in samples]
