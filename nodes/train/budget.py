@@ -33,6 +33,7 @@ import comfy.model_management as mm
 from ...training.memory_plan import CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, StepCost, choose
 from ...training.settings import TrainSettings
 from ..lora.glue import get_lora_set
+from ..model.data_checks import is_packed
 from .data import build_samples
 from .memory_estimate import fake_twin, run_step, step_cost
 
@@ -153,10 +154,15 @@ def _batch(model: Any, cfg: TrainSettings, latents: list, conditioning: list) ->
     """The largest latent's first row and the first conditioning, as the run builds samples (on the CPU),
     repeated to the run's batch size (capped at the dataset's rows, as the loop caps it)."""
     batches = [lat["samples"] for lat in latents]
-    largest = max(batches, key=lambda s: s[0].numel())
+    largest = max(batches, key=_row_numel)
     sample = build_samples(model, [{"samples": largest[:1]}], [[conditioning[0][0]]], None, torch.device("cpu"))[0]
     rows = min(cfg.batch_size, sum(int(s.shape[0]) for s in batches))
     return sample.latent.unsqueeze(0).repeat(rows, *([1] * sample.latent.ndim)), [sample.cond] * rows
+
+
+def _row_numel(samples: Any) -> int:
+    """Elements of a LATENT's first row (every part of a packed audio-video latent)."""
+    return sum(t[0].numel() for t in samples.unbind()) if is_packed(samples) else samples[0].numel()
 
 
 def _config_key(model: Any) -> tuple:
