@@ -7,7 +7,7 @@ from ...probe.survival import summarize
 from ...probe.report import format_report
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io, ui
-from ..model.data_checks import conditioning_problem, latent_problem
+from ..model.data_checks import conditioning_problem, is_packed, latent_problem
 from .chart import draw_probe_chart
 from .glue import ProbeResult, probe_model
 
@@ -40,6 +40,10 @@ def pick(model, latents: list, conditionings: list) -> tuple[dict, list, str]:
     for i, latent in enumerate(latents):
         samples = latent.get("samples") if isinstance(latent, dict) else None
         problem = latent_problem(model, samples)
+        if problem is None and is_packed(samples):
+            problem = ("is a packed audio-video LATENT (LTX-2); Precision Probe measures one forward on a single "
+                       "latent tensor and cannot probe a packed one yet: train it with PrecisionTrainLoRA, which "
+                       "takes it, and probe a video-only model")
         if problem is not None:
             raise _err("latent", f"item {i} {problem}" if len(latents) > 1 else problem)
     for i, cond in enumerate(conditionings):

@@ -249,3 +249,14 @@ def test_an_audio_video_latent_into_a_video_model_is_refused(pack_module):
     for part in (NODE, "input 'latents'", "audio-video LATENT", "(1, 128, 2, 2, 2), (1, 8, 4, 16)",
                  "LTXVSeparateAVLatent"):
         assert part in message, (part, message)
+
+
+def test_the_probe_refuses_the_packed_latent_by_name(pack_module, ltxav):
+    """Precision Probe ran process_latent_in on the NestedTensor and failed with torch's error; it now says what
+    it cannot do and what to use."""
+    probe = pack_module("nodes.probe.node")
+    with pytest.raises(ValueError) as err:
+        probe.pick(ltxav, [_av_latent()], [_conditioning()])
+    message = str(err.value)
+    for part in ("PrecisionProbe", "input 'latent'", "packed audio-video LATENT", "PrecisionTrainLoRA"):
+        assert part in message, (part, message)
