@@ -19,6 +19,10 @@ import sys
 import tempfile
 import uuid
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_parts import (bucketed_train_links, loss_graph_input, node as _node, note as _note,  # noqa: E402
+                         out as output_index)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -129,13 +133,7 @@ PROBE_NOTE = (
 )
 
 
-def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None, **extra):
-    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
-            "control": control or {}, **extra}
 
-
-def _note(id_, pos, size, text):
-    return _node(id_, "Note", pos, {"text": text}, size=size)
 
 
 LOAD_LORA_WIDGETS = {
@@ -367,27 +365,11 @@ def sdxl_train_spec() -> dict:
 
 
 def sdxl_train_links(info: dict) -> list[tuple]:
-    """Links of train_lora_sdxl.json, by input and output names (checked against object_info)."""
-    def out(node_type: str, name: str) -> int:
-        names = info[node_type]["output_name"]
-        if name not in names:
-            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-        return names.index(name)
-
-    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
-                  "PrecisionCachedTrainingDataset")
+    """Links of train_lora_sdxl.json: the checkpoint loader (node 1) gives the model, the CLIP and the VAE."""
     ck = "CheckpointLoaderSimple"
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][out(t, "loss_map")]]
-    return [
-        (1, out(ck, "MODEL"), 2, "model"), (2, 0, 3, "model"), (3, 0, 8, "model"),
-        (5, out(d, "images"), 6, "images"), (5, out(d, "texts"), 6, "texts"), (1, out(ck, "MODEL"), 6, "model"),
-        (6, out(b, "images"), 7, "images"), (6, out(b, "texts"), 7, "texts"),
-        (1, out(ck, "VAE"), 7, "vae"), (1, out(ck, "CLIP"), 7, "clip"),
-        (7, out(m, "latents"), 8, "latents"), (7, out(m, "conditioning"), 8, "conditioning"), (4, 0, 8, "settings"),
-        (8, out(t, "model"), 9, "model"), (8, out(t, "training_state"), 9, "training_state"),
-        (8, out(t, "loss_map"), 10, graph_in[0]),
-    ]
+    return bucketed_train_links(info, model=(1, output_index(info, ck, "MODEL")),
+                                clip=(1, output_index(info, ck, "CLIP")), vae=(1, output_index(info, ck, "VAE")),
+                                patch=2, attach=3, settings=4, folder=5, buckets=6, cached=7, train=8, save=9, graph=10)
 
 
 def sdxl_inference_spec() -> dict:
@@ -490,10 +472,7 @@ async (spec) => {
 def train_links(info: dict) -> list[tuple]:
     """Links of train_lora_demo.json by the training nodes' input and output names (checked against object_info)."""
     def out(node_type: str, name: str) -> int:
-        names = info[node_type]["output_name"]
-        if name not in names:
-            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-        return names.index(name)
+        return output_index(info, node_type, name)
 
     def inp(node_type: str, name: str) -> str:
         spec = info[node_type]["input"]
@@ -502,11 +481,8 @@ def train_links(info: dict) -> list[tuple]:
             raise SystemExit(f"{node_type} has no input {name!r} (has {names})")
         return name
 
-    t, g = "PrecisionTrainLoRA", "PrecisionLossGraph"
+    t = "PrecisionTrainLoRA"
     model_out, state_out, loss_out = out(t, "model"), out(t, "training_state"), out(t, "loss_map")
-    graph_in = [n for n, spec in info[g]["input"]["required"].items() if spec[0] == info[t]["output"][loss_out]]
-    if not graph_in:
-        raise SystemExit(f"{g} has no input of type {info[t]['output'][loss_out]}")
     links = [
         (1, 0, 2, "model"), (2, 0, 3, "model"), (1, 0, 5, "model"), (1, 0, 6, "model"),
         (3, 0, 7, inp(t, "model")), (5, 0, 7, inp(t, "latents")), (6, 0, 7, inp(t, "conditioning")),
@@ -516,7 +492,7 @@ def train_links(info: dict) -> list[tuple]:
         (7, model_out, 11, inp(t, "model")), (5, 0, 11, inp(t, "latents")), (6, 0, 11, inp(t, "conditioning")),
         (4, 0, 11, inp(t, "settings")), (7, state_out, 11, inp(t, "training_state")),
         (11, model_out, 12, "model"), (11, state_out, 12, inp("PrecisionSaveLoRA", "training_state")),
-        (11, loss_out, 13, graph_in[0]),
+        (11, loss_out, 13, loss_graph_input(info)),
     ]
     return links
 
@@ -524,20 +500,15 @@ def train_links(info: dict) -> list[tuple]:
 def real_train_links(info: dict) -> list[tuple]:
     """Links of the real train_lora.json, by input and output names (checked against object_info)."""
     def out(node_type: str, name: str) -> int:
-        names = info[node_type]["output_name"]
-        if name not in names:
-            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-        return names.index(name)
+        return output_index(info, node_type, name)
 
     t, d, m = "PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionCachedTrainingDataset"
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][out(t, "loss_map")]]
     return [
         (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 9, "model"),
         (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (6, 0, 8, "vae"), (5, 0, 8, "clip"),
         (8, out(m, "latents"), 9, "latents"), (8, out(m, "conditioning"), 9, "conditioning"), (4, 0, 9, "settings"),
         (9, out(t, "model"), 10, "model"), (9, out(t, "training_state"), 10, "training_state"),
-        (9, out(t, "loss_map"), 11, graph_in[0]),
+        (9, out(t, "loss_map"), 11, loss_graph_input(info)),
     ]
 
 

@@ -10,6 +10,8 @@ an empty negative prompt) -> SamplerCustomAdvanced (euler) on EmptyFlux2LatentIm
 """
 from __future__ import annotations
 
+from graph_parts import bucketed_train_links, node as _node, note as _note
+
 KLEIN_MODEL = "flux-2-klein-base-4b.safetensors"
 KLEIN_TEXT_ENCODER = "qwen_3_4b.safetensors"
 KLEIN_VAE = "flux2-vae.safetensors"
@@ -64,15 +66,6 @@ LOAD_LORA_WIDGETS = {
 }
 
 
-def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None) -> dict:
-    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
-            "control": control or {}}
-
-
-def _note(id_, pos, size, text) -> dict:
-    return _node(id_, "Note", pos, {"text": text}, size=size)
-
-
 def _loaders(model_pos, clip_pos, vae_pos) -> list[dict]:
     """UNETLoader, CLIPLoader and VAELoader (ids 1, 2, 3) with the template's file names."""
     return [
@@ -111,27 +104,9 @@ def train_spec() -> dict:
 
 
 def train_links(info: dict) -> list[tuple]:
-    """Links of train_lora_flux2_klein.json, by input and output names (checked against object_info)."""
-    def out(node_type: str, name: str) -> int:
-        names = info[node_type]["output_name"]
-        if name not in names:
-            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-        return names.index(name)
-
-    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
-                  "PrecisionCachedTrainingDataset")
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][out(t, "loss_map")]]
-    if not graph_in:
-        raise SystemExit(f"PrecisionLossGraph has no input of type {info[t]['output'][out(t, 'loss_map')]}")
-    return [
-        (1, 0, 4, "model"), (4, 0, 5, "model"), (5, 0, 10, "model"),
-        (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (1, 0, 8, "model"),
-        (8, out(b, "images"), 9, "images"), (8, out(b, "texts"), 9, "texts"), (3, 0, 9, "vae"), (2, 0, 9, "clip"),
-        (9, out(m, "latents"), 10, "latents"), (9, out(m, "conditioning"), 10, "conditioning"), (6, 0, 10, "settings"),
-        (10, out(t, "model"), 11, "model"), (10, out(t, "training_state"), 11, "training_state"),
-        (10, out(t, "loss_map"), 12, graph_in[0]),
-    ]
+    """Links of train_lora_flux2_klein.json (its loaders are nodes 1-3, Patch Attention 4, Attach LoRA 5)."""
+    return bucketed_train_links(info, model=(1, 0), clip=(2, 0), vae=(3, 0), patch=4, attach=5, settings=6,
+                                folder=7, buckets=8, cached=9, train=10, save=11, graph=12)
 
 
 def inference_spec() -> dict:

@@ -8,6 +8,8 @@ steps, cfg 2.5, EmptySD3LatentImage 1328 x 1328, an empty negative prompt).
 """
 from __future__ import annotations
 
+from graph_parts import loaders_train_links, node as _node
+
 MODEL = "qwen_image_fp8_e4m3fn.safetensors"
 TEXT_ENCODER = "qwen_2.5_vl_7b_fp8_scaled.safetensors"
 VAE = "qwen_image_vae.safetensors"
@@ -61,18 +63,6 @@ LOAD_LORA = {"lora_name": LORA, "strength": 1.0, "mode": "fp32", "attention": "a
              "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0}
 
 
-def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None):
-    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
-            "control": control or {}}
-
-
-def _out(info: dict, node_type: str, name: str) -> int:
-    names = info[node_type]["output_name"]
-    if name not in names:
-        raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-    return names.index(name)
-
-
 def train_spec() -> dict:
     return {
         "nodes": [
@@ -102,27 +92,8 @@ def train_spec() -> dict:
                   "height": 384, "filename_prefix": "precision_lora/my_qwen_image_lora_loss"}, size=[560, 470]),
             _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[820, 700]),
         ],
-        "links": train_links,
+        "links": loaders_train_links,
     }
-
-
-def train_links(info: dict) -> list[tuple]:
-    """Links of train_lora_qwen_image.json, by input and output names (checked against object_info)."""
-    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
-                  "PrecisionCachedTrainingDataset")
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][_out(info, t, "loss_map")]]
-    return [
-        (1, _out(info, "UNETLoader", "MODEL"), 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
-        (7, _out(info, d, "images"), 8, "images"), (7, _out(info, d, "texts"), 8, "texts"),
-        (1, _out(info, "UNETLoader", "MODEL"), 8, "model"),
-        (8, _out(info, b, "images"), 9, "images"), (8, _out(info, b, "texts"), 9, "texts"),
-        (6, _out(info, "VAELoader", "VAE"), 9, "vae"), (5, _out(info, "CLIPLoader", "CLIP"), 9, "clip"),
-        (9, _out(info, m, "latents"), 10, "latents"), (9, _out(info, m, "conditioning"), 10, "conditioning"),
-        (4, 0, 10, "settings"),
-        (10, _out(info, t, "model"), 11, "model"), (10, _out(info, t, "training_state"), 11, "training_state"),
-        (10, _out(info, t, "loss_map"), 12, graph_in[0]),
-    ]
 
 
 def inference_spec() -> dict:

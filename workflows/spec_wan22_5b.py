@@ -4,6 +4,8 @@ the LoRA). Read by workflows/build.py (SPECS); the file names are those of Comfy
 (video_wan2_2_5B_ti2v in comfyui_workflow_templates)."""
 from __future__ import annotations
 
+from graph_parts import loaders_train_links, node as _node
+
 MODEL = "wan2.2_ti2v_5B_fp16.safetensors"
 CLIP = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 VAE = "wan2.2_vae.safetensors"
@@ -57,18 +59,6 @@ INFER_NOTE = (
 )
 
 
-def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None):
-    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
-            "control": control or {}}
-
-
-def _out(info: dict, node_type: str, name: str) -> int:
-    names = info[node_type]["output_name"]
-    if name not in names:
-        raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-    return names.index(name)
-
-
 def train_spec() -> dict:
     return {
         "nodes": [
@@ -97,26 +87,8 @@ def train_spec() -> dict:
                   "height": 384, "filename_prefix": "precision_lora/my_wan22_5b_lora_loss"}, size=[560, 470]),
             _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[780, 640]),
         ],
-        "links": train_links,
+        "links": loaders_train_links,
     }
-
-
-def train_links(info: dict) -> list[tuple]:
-    """By input and output names (checked against /object_info)."""
-    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
-                  "PrecisionCachedTrainingDataset")
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][_out(info, t, "loss_map")]]
-    return [
-        (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
-        (7, _out(info, d, "images"), 8, "images"), (7, _out(info, d, "texts"), 8, "texts"), (1, 0, 8, "model"),
-        (8, _out(info, b, "images"), 9, "images"), (8, _out(info, b, "texts"), 9, "texts"),
-        (6, 0, 9, "vae"), (5, 0, 9, "clip"),
-        (9, _out(info, m, "latents"), 10, "latents"), (9, _out(info, m, "conditioning"), 10, "conditioning"),
-        (4, 0, 10, "settings"),
-        (10, _out(info, t, "model"), 11, "model"), (10, _out(info, t, "training_state"), 11, "training_state"),
-        (10, _out(info, t, "loss_map"), 12, graph_in[0]),
-    ]
 
 
 def inference_spec() -> dict:

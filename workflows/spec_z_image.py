@@ -8,15 +8,7 @@ ModelSamplingAuraFlow shift 3, KSampler 8 steps, cfg 1, res_multistep / simple, 
 """
 from __future__ import annotations
 
-
-def _node(id_, type_, pos, widgets=None, size=None, title=None, control=None) -> dict:
-    """A node as workflows/build.py builds it: type, canvas position, widget values by name."""
-    return {"id": id_, "type": type_, "pos": pos, "widgets": widgets or {}, "size": size, "title": title,
-            "control": control or {}}
-
-
-def _note(id_, pos, size, text) -> dict:
-    return _node(id_, "Note", pos, {"text": text}, size=size)
+from graph_parts import loaders_train_links, node as _node, note as _note
 
 
 MODEL = "z_image_turbo_bf16.safetensors"
@@ -97,30 +89,8 @@ def train_spec() -> dict:
                   "height": 384, "filename_prefix": "precision_lora/my_z_image_lora_loss"}, size=[560, 470]),
             _note(13, [1200, 0], [800, 660], TRAIN_NOTE),
         ],
-        "links": train_links,
+        "links": loaders_train_links,
     }
-
-
-def train_links(info: dict) -> list[tuple]:
-    """Links of train_lora_z_image.json, by input and output names (checked against object_info)."""
-    def out(node_type: str, name: str) -> int:
-        names = info[node_type]["output_name"]
-        if name not in names:
-            raise SystemExit(f"{node_type} has no output {name!r} (has {names})")
-        return names.index(name)
-
-    t, d, b, m = ("PrecisionTrainLoRA", "LoadImageTextDataSetFromFolder", "PrecisionResolutionBuckets",
-                  "PrecisionCachedTrainingDataset")
-    graph_in = [n for n, spec in info["PrecisionLossGraph"]["input"]["required"].items()
-                if spec[0] == info[t]["output"][out(t, "loss_map")]]
-    return [
-        (1, 0, 2, "model"), (2, 0, 3, "model"), (3, 0, 10, "model"),
-        (7, out(d, "images"), 8, "images"), (7, out(d, "texts"), 8, "texts"), (1, 0, 8, "model"),
-        (8, out(b, "images"), 9, "images"), (8, out(b, "texts"), 9, "texts"), (6, 0, 9, "vae"), (5, 0, 9, "clip"),
-        (9, out(m, "latents"), 10, "latents"), (9, out(m, "conditioning"), 10, "conditioning"), (4, 0, 10, "settings"),
-        (10, out(t, "model"), 11, "model"), (10, out(t, "training_state"), 11, "training_state"),
-        (10, out(t, "loss_map"), 12, graph_in[0]),
-    ]
 
 
 def inference_spec() -> dict:
