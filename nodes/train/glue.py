@@ -51,6 +51,44 @@ def needs_in_place_fix(model: Any) -> bool:
     return describe_model(model).family not in CLEAN_FAMILIES
 
 
+class _OutOfPlaceAdds(torch.overrides.TorchFunctionMode):
+    """``torch.add(a, b, out=t)`` computed out of place while autograd records and an operand or ``t`` needs a
+    gradient (autograd refuses ``out=`` there). HiDream O1's Llama blocks are the callers and use the returned
+    tensor (``x = torch.add(residual, x, out=output)``), so nothing reads ``t`` expecting the sum."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.add and kwargs.get("out") is not None and torch.is_grad_enabled():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, kwargs["out"])):
+                kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        return func(*args, **kwargs)
+
+
+def prefix_cache_model(dm: Any) -> bool:
+    """True for HiDream O1's transformer: it adds residuals with ``out=`` and caches the prompt prefix's
+    keys / values across calls by token ids (``clear_kv_cache``), which training must not reuse."""
+    try:
+        from comfy.ldm.hidream_o1.model import HiDreamO1Transformer
+    except ImportError:  # ComfyUI without HiDream O1 (0.3.75)
+        return False
+    return isinstance(dm, HiDreamO1Transformer)
+
+
+@contextlib.contextmanager
+def _prefix_cache_training(dm: Any) -> Iterator[None]:
+    """HiDream O1 only (every other model: nothing): out-of-place ``out=`` adds for the forward and the
+    checkpoint recomputations in backward, and no K/V cache from before or into after the session."""
+    if not prefix_cache_model(dm):
+        yield
+        return
+    dm.clear_kv_cache()
+    try:
+        with _OutOfPlaceAdds():
+            yield
+    finally:
+        dm.clear_kv_cache()
+
+
 def flow_kind(model_sampling: Any) -> str:
     """"rflow" (CONST, e.g. Flux/SD3), "cosmos" (COSMOS_RFLOW), "eps" (EPS/V/EDM; CogVideoX's
     V_PREDICTION_DDPM). ValueError otherwise."""
@@ -93,12 +131,16 @@ def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, dev
     target_kind = resolve_target(settings, kind)
     topts = model.model_options.get("transformer_options", {})
     in_place_fix = needs_in_place_fix(model)
+    # HiDream O1: every training forward computes the prompt prefix's keys / values with the current weights
+    clear_cache = base.diffusion_model.clear_kv_cache if prefix_cache_model(base.diffusion_model) else None
 
     def flow_time(sigma: torch.Tensor) -> torch.Tensor:
         return sigma / (sigma + 1.0) if kind == "cosmos" else sigma
 
     def denoised(x_t: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
         ctx = clone_saved_tensors() if in_place_fix else contextlib.nullcontext()
+        if clear_cache is not None:
+            clear_cache()
         with ctx:
             # every sample is a positive (cond) chunk, as ComfyUI's sampler lists them (SeedVR2 splits its text
             # batch into negative / positive halves unless cond_or_uncond says every chunk is one branch)
@@ -224,7 +266,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
         lora_set.to(device)
     try:
-        with autograd_enabled(), model_gradients(), reach_context(model):
+        with autograd_enabled(), model_gradients(), reach_context(model), _prefix_cache_training(dm):
             for p, _ in frozen:
                 p.requires_grad_(False)
             # swap outside checkpointing: the recomputation passes through the swap's wrappers too

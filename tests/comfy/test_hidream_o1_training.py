@@ -1,0 +1,150 @@
+"""HiDream O1 (ComfyUI 0.33+) trains (#25).
+
+HiDream O1 is a pixel-space DiT inside Qwen3-VL's language model. Two things in ComfyUI's forward stop a LoRA
+from training it, and the pack handles both for this model only (``nodes.train.glue._prefix_cache_training``):
+its Llama blocks add the residual with ``torch.add(residual, x, out=x)``, which autograd refuses for a tensor
+that needs a gradient (computed out of place while the session trains), and it caches the prompt prefix's
+keys / values across calls by token ids, not weights (cleared before every training forward and on exit).
+The tiny model is ComfyUI's own class at small widths, with the real tokenizer's ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import families
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+RANK, STEPS, PIXELS = 4, 20, 64
+TINY = {"text_config_overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                  "rope_dims": [8, 4, 4]},
+        "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "depth": 1,
+                                    "deepstack_visual_indexes": ()}}
+
+
+@pytest.fixture(scope="module")
+def hidream_o1(pack):
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    import comfyui_version
+
+    if not hasattr(sm, "HiDreamO1"):
+        pytest.skip(f"ComfyUI {comfyui_version.__version__} has no HiDreamO1 model class in comfy.supported_models")
+    config = sm.HiDreamO1({**sm.HiDreamO1.unet_config, **TINY})
+    config.unet_config.update(TINY)
+    config.set_inference_dtype(torch.float32, None)
+    with torch.inference_mode(False):
+        model = config.get_model({}, "")
+        families._fill(model.diffusion_model, 0)
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def _conditioning(prompt: str = "a red fox in the snow") -> list:
+    """What ComfyUI's HiDream O1 text encoder gives: the prompt's token ids (and a surrogate tensor)."""
+    from comfy.text_encoders.hidream_o1 import HiDreamO1Tokenizer
+
+    pairs = HiDreamO1Tokenizer().tokenize_with_weights(prompt)["hidream_o1"][0]
+    ids = torch.tensor([[int(p[0]) for p in pairs]])
+    return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+
+
+def _image(seed: int = 0) -> dict:
+    return {"samples": torch.rand((1, 3, PIXELS, PIXELS), generator=torch.Generator().manual_seed(seed)) * 2 - 1}
+
+
+def _session(pack_module, model, **settings):
+    """A LoRA on every target ("all": the attention-only default cannot move the 64-wide tiny model's pixel
+    head to a random image) and the pack's training session pieces."""
+    lglue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
+    lora = pack_module("lora.config")
+    settings = pack_module("training.settings").TrainSettings(learning_rate=3e-2, **settings)
+    attached = lglue.attach_lora(model, lora.LoRAConfig(rank=RANK, alpha=RANK, targets="all"))
+    out, lora_set = tglue.fork_lora(attached)
+    return tglue, tdata, settings, out, lora_set
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_hidream_o1_memorises_an_image(pack_module, hidream_o1, checkpointing):
+    loop = pack_module("training.loop")
+    with torch.inference_mode():
+        tglue, tdata, settings, out, lora_set = _session(pack_module, hidream_o1, gradient_checkpointing=checkpointing)
+        dm = out.model.diffusion_model
+        assert tglue.prefix_cache_model(dm)
+        with tglue.training_session(out, lora_set, settings) as device:
+            samples, _ = tdata.build_dataset(out, [_image()], [_conditioning()], None, device)
+            base = tglue.model_fns(out, lora_set, settings, device)
+            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3))
+            fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
+                                      target=lambda s, n, x0: base.target(s, fixed, x0),
+                                      sigma_of_u=lambda u: base.sigma_of_u(torch.full_like(u, 0.5)))
+            result = loop.train(lora_set, samples, fns, settings, STEPS, seed=0)
+        assert dm._kv_cache_entries == [], "the session leaves no K/V cache computed with training weights"
+    losses = [p["loss"] for p in result.state.history]
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.5 * first, f"loss {first:.4f} -> {last:.4f}"
+    learnt = [p for p, a in lora_set.adapters().items() if float(a.up.detach().abs().max()) > 0]
+    assert any("language_model.layers.0." in p for p in learnt), learnt  # gradients reach the first block
+
+
+def test_training_forward_ignores_a_stale_prefix_cache(pack_module, hidream_o1):
+    """A K/V cache filled by sampling (same prompt, other weights) must not be read by a training forward:
+    predict equals the cold forward of the current weights."""
+    import comfy.sample
+
+    cond = _conditioning()
+    with torch.inference_mode():
+        tglue, tdata, settings, out, lora_set = _session(pack_module, hidream_o1)
+        dm = out.model.diffusion_model
+        noise = comfy.sample.prepare_noise(_image()["samples"], 0)
+        comfy.sample.sample(hidream_o1, noise, 1, 1.0, "euler", "simple", cond, cond, _image()["samples"],
+                            disable_pbar=True, seed=0)
+        assert dm._kv_cache_entries, "sampling caches the prefix (the case this test is about)"
+        stale = dm._kv_cache_entries
+        with tglue.training_session(out, lora_set, settings) as device:
+            assert dm._kv_cache_entries == []
+            samples, _ = tdata.build_dataset(out, [_image()], [cond], None, device)
+            fns = tglue.model_fns(out, lora_set, settings, device)
+            for a in lora_set.adapters().values():  # the LoRA differs from the weights the stale cache saw
+                with torch.no_grad():
+                    a.up.copy_(0.1 * torch.randn(a.up.shape, generator=torch.Generator().manual_seed(1)))
+            sigma, batch = torch.tensor([0.5]), fns.collate([samples[0].cond])
+            x_t = fns.noise_latent(sigma, noise, samples[0].latent[None])
+            dm._kv_cache_entries = stale  # as if a sampler had run in between
+            pred = fns.predict(x_t, sigma, batch)
+            assert pred.requires_grad
+            dm.clear_kv_cache()
+            cold = fns.predict(x_t, sigma, batch)
+            dm._kv_cache_entries = stale
+            pred_again = fns.predict(x_t, sigma, batch)
+    torch.testing.assert_close(pred, cold, rtol=0, atol=0)
+    torch.testing.assert_close(pred_again, cold, rtol=0, atol=0)
+
+
+def test_out_of_place_adds_only_where_autograd_needs_them(pack_module):
+    tglue = pack_module("nodes.train.glue")
+    a, b = torch.randn(4), torch.randn(4, requires_grad=True)
+    target = a.clone()
+    with torch.enable_grad(), tglue._OutOfPlaceAdds():
+        summed = torch.add(a, b, out=target)
+        summed.sum().backward()
+        plain = torch.add(a, a, out=target)  # no gradient anywhere: out= as written
+    torch.testing.assert_close(b.grad, torch.ones(4))
+    torch.testing.assert_close(target, a + a)
+    assert plain is target
+    with pytest.raises(RuntimeError, match="out="):  # what ComfyUI's Llama block hits without it
+        with torch.enable_grad():
+            torch.add(a, b, out=a.clone())
+
+
+def test_other_families_run_without_the_mode(pack_module):
+    """Bit-identical elsewhere: no function mode and no cache handling for a model other than HiDream O1."""
+    tglue = pack_module("nodes.train.glue")
+    model = families.build("AuraFlow")
+    dm = model.model.diffusion_model
+    assert not tglue.prefix_cache_model(dm)
+    with tglue._prefix_cache_training(dm):
+        assert not torch._C._is_torch_function_mode_enabled()
