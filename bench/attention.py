@@ -26,7 +26,6 @@ import importlib
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -50,7 +49,7 @@ def load_pack():
     """Load ComfyUI and the pack in this process; returns (comfy attention module, glue, config module)."""
     import comfy_bootstrap
 
-    pack = comfy_bootstrap.load_pack_in_process(tempfile.mkdtemp(prefix="precision_lora_bench_"))
+    pack = comfy_bootstrap.load_pack_in_process(comfy_bootstrap.temporary_base("precision_lora_bench_"))
     glue = importlib.import_module(f"{pack.__name__}.nodes.attention.glue")
     config = importlib.import_module(f"{pack.__name__}.attention.config")
     stable = importlib.import_module(f"{pack.__name__}.attention.stable")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,9 +22,10 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
 def main() -> None:
+    import comfy_bootstrap
     import real_arch
 
-    base = tempfile.mkdtemp(prefix="precision_bench_te_")
+    base = comfy_bootstrap.temporary_base("precision_bench_te_")
     real_arch._BASE.append(base)
     real_arch._pack_module("demo")  # ComfyUI (CPU) imported with this base directory
     t0 = time.perf_counter()

@@ -9,12 +9,15 @@ for, only when its CUDA-linked C++ library cannot be loaded.
 """
 from __future__ import annotations
 
+import atexit
 import glob
 import importlib.util
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTS = os.path.join(ROOT, ".hosts")
@@ -31,6 +34,46 @@ def host_comfy_dir() -> str:
     if os.environ.get("COMFYUI_DIR"):
         return os.path.abspath(os.environ["COMFYUI_DIR"])
     return os.path.join(HOSTS, NEWEST_HOST, "comfyui")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def sweep_stale_bases(prefix: str, parent: str | None = None) -> list[str]:
+    """Remove ``<prefix><pid>_*`` folders whose process is gone (killed before its exit hook ran).
+
+    Returns the removed paths. Folders without a pid after the prefix are left alone."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix):].split("_", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def temporary_base(prefix: str) -> str:
+    """A fresh ComfyUI base folder for this process, ``<tmp>/<prefix><pid>_<random>``, removed when the process
+    exits; the folders of this prefix left by processes that were killed are swept first. (An in-process
+    ComfyUI writes models, LoRAs and outputs there, up to hundreds of MB: leaked ones fill a disk.)"""
+    sweep_stale_bases(prefix)
+    base = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_")
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
+    return base
 
 
 COMFY_DIR = host_comfy_dir()

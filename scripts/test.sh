@@ -12,6 +12,14 @@ SPEC="${PRECISION_LORA_HOST:-all}"
 if [ "${1:-}" = "--host" ]; then SPEC="$2"; shift 2; fi
 read -r -a HOSTS <<< "$(host_list "$SPEC")"
 bash scripts/setup.sh "${HOSTS[@]}"
+# the suite writes ~9 GiB of real-size stand-in models into .cache/ (once per checkout) and per-process ComfyUI
+# bases under the temp folder (removed as each process ends): say so up front when the disk is short
+for dir in "$ROOT" "${TMPDIR:-/tmp}"; do
+  free_gib=$(df -Pk "$dir" | awk 'NR==2 {printf "%d", $4 / 1048576}')
+  if [ "${free_gib:-0}" -lt 12 ]; then
+    echo "[precision-lora] warning: only ${free_gib} GiB free on the disk of $dir; the tests need ~12 GiB (stand-in models in .cache/, temporary ComfyUI bases): expect write errors"
+  fi
+done
 TC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 [ -e "$TC" ] && export LD_PRELOAD="$TC${LD_PRELOAD:+:$LD_PRELOAD}"
 status=0

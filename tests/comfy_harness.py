@@ -11,13 +11,14 @@ import importlib
 import inspect
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(os.path.join(ROOT, "scripts"))
 import comfy_bootstrap  # noqa: E402
 
-BASE = os.environ.get("PRECISION_LORA_TEST_BASE") or tempfile.mkdtemp(prefix="precision_lora_comfy_")
+_PREFIX = "precision_lora_comfy_"
+# the base of this process's in-process ComfyUI; removed at exit (comfy_bootstrap.temporary_base)
+BASE = os.environ.get("PRECISION_LORA_TEST_BASE") or comfy_bootstrap.temporary_base(_PREFIX)
 _pack = None
 
 

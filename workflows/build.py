@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -522,11 +521,13 @@ def _load_browser():
 
 def build(names: list[str], server_url: str | None) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import comfy_bootstrap
     from server_harness import ComfyServer
 
     server = None
     if server_url is None:
-        server = ComfyServer.start(tempfile.mkdtemp(prefix="precision_lora_wf_"))
+        server = ComfyServer.start(comfy_bootstrap.temporary_base("precision_lora_wf_"))
         server_url = server.url
         server.request("/settings/Comfy.TutorialCompleted", True, method="POST")
     bmod = _load_browser()
