@@ -3,7 +3,8 @@
 # (e2e), browser, JS.
 #   bash scripts/test.sh [--host 0.33.0|0.3.75|custom|all] [pytest args]     e.g. bash scripts/test.sh --host 0.3.75 -x
 # Default: all shipped hosts, one pytest run each (PRECISION_LORA_HOST=... works too). Exits non-zero on any
-# failure, including "no tests collected" on a host. The last line sums the hosts' counts.
+# failure, including "no tests collected" on a host. Each host's run lists its 25 slowest tests; the last line sums
+# the hosts' counts.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -34,7 +35,7 @@ for host in "${HOSTS[@]}"; do
   if [ "$host" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
   echo "== pytest on ComfyUI $host ($HOST_COMFY)"
   set +e
-  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$host.xml" "$@"
+  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$host.xml" --durations=25 "$@"
   rc=$?
   set -e
   if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests on ComfyUI $host: failing"; fi
