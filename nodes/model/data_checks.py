@@ -8,6 +8,7 @@ or pruned model is checked against what it really takes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,16 +41,54 @@ def _packs_to(fmt: Any, samples: torch.Tensor, channels: int) -> bool:
         return False
 
 
-def audio_video_parts(model: Any) -> tuple[int, int] | None:
-    """(audio channels, frequency bins) when ``model`` samples a packed audio-video latent (LTX-2's LTXAV: a
-    video latent and an audio latent in one LATENT, as LTXVConcatAVLatent makes it), else None."""
+@dataclass(frozen=True)
+class AudioVideoParts:
+    """What an audio-video model's packed LATENT holds: the video part's channels, the audio part's fixed axes
+    (axis -> size; the others are time), its layout as the error names it, and how to make such a LATENT."""
+
+    video_channels: int
+    audio_axes: dict[int, int]
+    audio_layout: str
+    concat: str
+    audio_fix: str
+    video_fix: str = "encode the images with this model's VAE"
+
+
+_CONCAT = ("connect LTXVConcatAVLatent (video_latent from this model's video VAE, audio_latent from its audio VAE "
+           "encode or LTXVEmptyLatentAudio)")
+# MiniMax H3 (ComfyUI 0.33+): video (B, 24, T, H, W), audio (B, 32, 2, T) with time last (stereo, 40 latent frames a
+# second); EmptyMiniMaxH3LatentAV makes an empty one, LTXVConcatAVLatent joins encoded parts for any AV model.
+_MINIMAX_CONCAT = ("connect LTXVConcatAVLatent (video_latent from MiniMax H3's video VAE, 24 channels; audio_latent "
+                   "from its audio VAE, (B, 32, 2, frames)); EmptyMiniMaxH3LatentAV shows the layout")
+
+
+def audio_video_parts(model: Any) -> AudioVideoParts | None:
+    """The packed LATENT ``model`` samples when it is an audio-video model (LTX-2's LTXAV: a video latent and an
+    audio latent (B, 8, frames, 16) in one LATENT, as LTXVConcatAVLatent makes it; MiniMax H3: video 24 channels
+    and audio (B, 32, 2, frames)), else None."""
     import comfy.model_base
 
-    cls = getattr(comfy.model_base, "LTXAV", None)
-    if cls is None or not isinstance(model.model, cls):
-        return None
     dm = model.model.diffusion_model
-    return int(dm.num_audio_channels), int(dm.audio_frequency_bins)
+    ltxav = getattr(comfy.model_base, "LTXAV", None)
+    if ltxav is not None and isinstance(model.model, ltxav):
+        channels, bins = int(dm.num_audio_channels), int(dm.audio_frequency_bins)
+        return AudioVideoParts(
+            int(model.model.latent_format.latent_channels), {1: channels, 3: bins}, f"(B, {channels}, frames, {bins})",
+            _CONCAT, "encode the audio with this model's audio VAE (LTXVAudioVAEEncode) or use LTXVEmptyLatentAudio")
+    if is_minimax_h3(model):
+        return AudioVideoParts(
+            int(dm.latents_dim), {1: int(dm.audio_latents_dim), 2: 2}, f"(B, {int(dm.audio_latents_dim)}, 2, frames)",
+            _MINIMAX_CONCAT, "encode the audio with MiniMax H3's audio VAE (stereo: 2 channels, time last)",
+            "encode the video with MiniMax H3's video VAE (24 channels)")
+    return None
+
+
+def is_minimax_h3(model: Any) -> bool:
+    """Whether ``model`` is MiniMax H3 (ComfyUI 0.33+; 0.3.75 has no such class)."""
+    import comfy.model_base
+
+    cls = getattr(comfy.model_base, "MiniMaxH3", None)
+    return cls is not None and isinstance(getattr(model, "model", None), cls)
 
 
 def is_packed(samples: Any) -> bool:
@@ -57,52 +96,48 @@ def is_packed(samples: Any) -> bool:
     return not isinstance(samples, torch.Tensor) and bool(getattr(samples, "is_nested", False))
 
 
-_CONCAT = ("connect LTXVConcatAVLatent (video_latent from this model's video VAE, audio_latent from its audio VAE "
-           "encode or LTXVEmptyLatentAudio)")
-
-
-def _packed_problem(model: Any, samples: Any, av: tuple[int, int] | None) -> str | None:
+def _packed_problem(model: Any, samples: Any, av: AudioVideoParts | None) -> str | None:
     parts = list(samples.unbind())
     shapes = ", ".join(str(tuple(t.shape)) for t in parts)
     family = describe_model(model).family
     if av is None:
         return (f"is an audio-video LATENT (parts {shapes}) but this model ({family}) takes one latent tensor; "
-                "connect the video part (LTXVSeparateAVLatent's video_latent); the audio-video model the pack trains "
-                "on such a LATENT is LTX-2 (LTXAV)")
+                "connect the video part (LTXVSeparateAVLatent's video_latent); the audio-video models the pack trains "
+                "on such a LATENT are LTX-2 (LTXAV) and MiniMax H3")
     if len(parts) != 2 or not all(isinstance(t, torch.Tensor) for t in parts):
-        return f"is a packed LATENT of {len(parts)} parts ({shapes}) but this model ({family}) takes video + audio; {_CONCAT}"
+        return f"is a packed LATENT of {len(parts)} parts ({shapes}) but this model ({family}) takes video + audio; {av.concat}"
     video, audio = parts
-    problem = latent_problem(model, video, _plain=True)
+    problem = latent_problem(model, video, _plain=True, _channels=av.video_channels, _fix=av.video_fix)
     if problem is not None:
         return f"has a video part that {problem}"
-    channels, bins = av
-    if audio.ndim != 4 or audio.shape[1] != channels or audio.shape[3] != bins or audio.shape[0] != video.shape[0]:
-        return (f"has an audio part of shape {tuple(audio.shape)} but this model ({family}) expects (B, {channels}, "
-                f"frames, {bins}) with the video's batch {video.shape[0]}; encode the audio with this model's audio "
-                "VAE (LTXVAudioVAEEncode) or use LTXVEmptyLatentAudio")
+    if audio.ndim != 4 or any(audio.shape[axis] != size for axis, size in av.audio_axes.items()) \
+            or audio.shape[0] != video.shape[0]:
+        return (f"has an audio part of shape {tuple(audio.shape)} but this model ({family}) expects "
+                f"{av.audio_layout} with the video's batch {video.shape[0]}; {av.audio_fix}")
     if audio.is_floating_point() and not bool(torch.isfinite(audio).all()):
         return "has an audio part that holds NaN/inf; encode the audio again (check the audio VAE and its dtype)"
     return None
 
 
-def latent_problem(model: Any, samples: Any, _plain: bool = False) -> str | None:
+def latent_problem(model: Any, samples: Any, _plain: bool = False, _channels: int | None = None,
+                   _fix: str = "encode the images with this model's VAE") -> str | None:
     """Why ``samples`` (a LATENT's tensor, or a packed audio-video NestedTensor) does not fit ``model``'s latent
-    space, or None."""
+    space, or None. ``_channels`` / ``_fix``: a packed latent's video part (its channels, what to encode it with)."""
     av = None if _plain else audio_video_parts(model)
     if is_packed(samples):
         return _packed_problem(model, samples, av)
     if av is not None and isinstance(samples, torch.Tensor):
         return (f"is a plain latent of shape {tuple(samples.shape)} but this model ({describe_model(model).family}) "
-                f"is an audio-video model that trains on its video and audio latents packed together; {_CONCAT}")
+                f"is an audio-video model that trains on its video and audio latents packed together; {av.concat}")
     fmt = model.model.latent_format
     want_ndim = 2 + getattr(fmt, "latent_dimensions", 2)
-    channels = fmt.latent_channels
+    channels = fmt.latent_channels if _channels is None else _channels
     if not isinstance(samples, torch.Tensor):
         return "is not a LATENT with a 'samples' tensor; connect a LATENT (VAE Encode or PrecisionDemoLatent)"
     if samples.ndim != want_ndim or (samples.shape[1] != channels and not _packs_to(fmt, samples, channels)):
         layout = "(B, C, T, H, W)" if want_ndim == 5 else "(B, C, H, W)"
         return (f"has shape {tuple(samples.shape)} but this model ({describe_model(model).family}) expects {layout} "
-                f"with C={channels}; encode the images with this model's VAE")
+                f"with C={channels}; {_fix}")
     if samples.is_floating_point() and not bool(torch.isfinite(samples).all()):
         return "holds NaN/inf; encode the images again (check the VAE and its dtype)"
     return None

@@ -12,17 +12,25 @@ Latents are converted with ``process_latent_in`` and cloned out of inference mod
 An audio-video LATENT (LTX-2: LTXVConcatAVLatent's NestedTensor of a video and an audio latent) is packed flat,
 (1, N) per sample, as ComfyUI's sampler packs it, and its part shapes reach the model's conds as
 ``latent_shapes``: one sigma, one noise draw per element and one flow target for the pack, as the sampler has it.
+While it packs and encodes such a sample the model's ``latent_shapes`` is set as the sampler sets it (MiniMax H3
+reads it: its audio stream is carried scaled onto the video schedule, ``audio_scale``, in ``process_latent_in`` and
+in its ``minimax_payload`` cond).
+MiniMax H3's text projection and token refiner run in ``extra_conds`` (once per sampling); its samples keep the
+text encoder's states as ``c_crossattn`` instead, so the forward runs them (ComfyUI's forward does when the
+context is narrower than the model) and LoRA adapters there learn. Its forward takes one sample: each of its
+samples trains in a forward of its own (a batch is the mean of those, as the loop weighs any bucket).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ...training.grad import clone_if_inference
 from ...training.loop import Sample
-from ..model.data_checks import conditioning_problem, is_packed, latent_problem
+from ..model.data_checks import conditioning_problem, is_minimax_h3, is_packed, latent_problem
 from ..dataset.resolution import size_problem
 
 NODE = "PrecisionTrainLoRA"
@@ -48,7 +56,8 @@ def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], li
             import comfy.utils
 
             packed, shapes = comfy.utils.pack_latents([clone_if_inference(t).float() for t in samples.unbind()])
-            x = model.model.process_latent_in(packed).float().clone()
+            with sampler_shapes(model, shapes):
+                x = model.model.process_latent_in(packed).float().clone()
             layout = [(1, *tuple(shape)[1:]) for shape in shapes]
         else:
             x = model.model.process_latent_in(clone_if_inference(samples).float()).float().clone()
@@ -59,6 +68,21 @@ def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], li
     if not rows:
         raise _err("latents", "the dataset is empty: connect at least one latent with batch size >= 1")
     return rows, owner, layouts
+
+
+@contextlib.contextmanager
+def sampler_shapes(model: Any, shapes: list | None) -> Iterator[None]:
+    """The model's ``latent_shapes`` as ComfyUI's sampler sets it for a packed latent (restored after); nothing for
+    a plain latent or a ComfyUI whose models have no such attribute (0.3.75)."""
+    base = model.model
+    if shapes is None or not hasattr(base, "latent_shapes"):
+        yield
+        return
+    old, base.latent_shapes = base.latent_shapes, [tuple(s) for s in shapes]
+    try:
+        yield
+    finally:
+        base.latent_shapes = old
 
 
 def _video_part(samples: Any) -> torch.Tensor:
@@ -142,11 +166,14 @@ def _encode(model: Any, cond: list, x0: torch.Tensor, device: torch.device,
     converted = comfy.sampler_helpers.convert_cond([cond])
     noise = torch.zeros((1, *x0.shape), dtype=torch.float32)
     extra = {"latent_shapes": latent_shapes} if latent_shapes is not None else {}
-    encoded = comfy.samplers.encode_model_conds(model.model.extra_conds, converted, noise, device, "positive",
-                                                latent_image=noise, seed=0, **extra)
+    with sampler_shapes(model, latent_shapes), torch.no_grad():
+        encoded = comfy.samplers.encode_model_conds(model.model.extra_conds, converted, noise, device, "positive",
+                                                    latent_image=noise, seed=0, **extra)
     out = {}
     for name, c in encoded[0]["model_conds"].items():
         processed = c.process_cond(batch_size=1, area=None)
+        if name == "c_crossattn" and is_minimax_h3(model):  # the text encoder's states: the forward refines them
+            processed = processed._copy_with(cond[0])
         if isinstance(processed.cond, torch.Tensor):
             processed = processed._copy_with(clone_if_inference(processed.cond).to(device))
         out[name] = processed
@@ -293,6 +320,8 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
         enc = _encode(model, cond, x0, device, layout)
         cenc = _encode(model, ccond, x0, device, layout) if ccond is not None else None
         group = (_group_key(enc), _group_key(cenc) if cenc is not None else None)
+        if is_minimax_h3(model):  # its forward takes one sample
+            group = (*group, len(samples))
         samples.append(Sample(latent=x0, cond=enc, group=group, class_cond=cenc))
     videos = [torch.empty(layout[0][1:], device="meta") if layout else s.latent for s, layout in zip(samples, layouts)]
     return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty, videos)
