@@ -171,8 +171,14 @@ def model_fns(model: Any, lora_set: LoRASet | None, settings: TrainSettings, dev
     def noise_latent(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         return ms.noise_scaling(_bcast(sigma, x0.ndim), noise, x0)
 
+    # A flow model that scales its noise (HiDream O1: x_t = sigma * 8 * noise + (1 - sigma) * x0, ComfyUI's
+    # CONST.noise_scaling) has the velocity 8 * noise - x0: the one predict computes from its x0 prediction
+    noise_scale = float(getattr(ms, "noise_scale", 1.0))
+
     def target(sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        return noise if target_kind == "noise" else noise - x0
+        if target_kind == "noise":
+            return noise
+        return noise - x0 if noise_scale == 1.0 else noise_scale * noise - x0
 
     from comfy.samplers import cond_cat
 
