@@ -25,13 +25,17 @@ attention in sampling as in training.
    (ComfyUI's ``wrap_attn`` then
    hands the call to the override as for every other model);
 2. replaces ``torch.nn.functional.scaled_dot_product_attention`` by a shim that hands a direct call to
-   the override as a (B, H, L, D) call (``skip_reshape``), with the caller's ``scale`` as the base.
+   the override as a (B, H, L, D) call (``skip_reshape``), with the caller's ``scale`` as the base. A causal
+   call (``is_causal=True`` without a mask: HiDream O1's prompt prefix, ``comfy.ldm.hidream_o1``) goes as a
+   call with SDPA's causal mask (query i sees keys 0..i), which the override's own kernels and statistics
+   apply; ComfyUI's backend (``auto``) runs it as the caller wrote it (``is_causal=True``, no mask), so the
+   default settings give stock output bit for bit.
 
 Both are restored when the last forward using them exits, on every exit path (``finally``). The shims
 act only in the context (thread) whose forward installed them (a ``ContextVar``), never inside the
 override itself (its kernels call SDPA too), and pass every other call through untouched. A direct SDPA
-call the override cannot take (``is_causal``, dropout, not 4-D, GQA with a mask) runs unchanged and is
-counted with its reason in ``unreached(override)``, which the attention node's report names.
+call the override cannot take (``is_causal`` with a mask, dropout, not 4-D, GQA with a mask) runs unchanged
+and is counted with its reason in ``unreached(override)``, which the attention node's report names.
 
 Activation checkpointing recomputes blocks during the backward pass, after the forward returned: the
 training session holds ``reach_context(model)`` around the whole run, so the recomputation computes
@@ -107,6 +111,8 @@ def _sdpa_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, ma
     """The direct SDPA call in ComfyUI's backend signature ((B, H, L, D) in and out): the override's
     ``func`` for backend ``auto``."""
     extra = {k: kwargs[k] for k in ("scale", "enable_gqa") if kwargs.get(k) is not None}
+    if kwargs.get("causal"):  # the mask is the causal one the shim built: the caller's own call
+        mask, extra["is_causal"] = None, True
     with inside_attention():
         return _ORIGINAL_SDPA(q, k, v, attn_mask=mask, **extra)
 
@@ -116,8 +122,8 @@ _sdpa_host.__name__ = "attention_sdpa_direct"
 
 def _unreachable_reason(q: torch.Tensor, attn_mask: Any, dropout_p: float, is_causal: bool,
                         enable_gqa: bool) -> str | None:
-    if is_causal:
-        return "causal (is_causal=True)"
+    if is_causal and attn_mask is not None:
+        return "causal (is_causal=True) with a mask"
     if dropout_p:
         return "attention dropout"
     if q.ndim != 4:
@@ -146,6 +152,9 @@ def _sdpa_shim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
                               scale=scale, **extra)
     named: dict[str, Any] = {"mask": attn_mask, "skip_reshape": True, "skip_output_reshape": True,
                              "transformer_options": options}
+    if is_causal:  # SDPA's causal mask (top-left aligned: query i sees keys 0..i), as a keep-mask
+        named["mask"] = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        named["causal"] = True
     if scale is not None:
         named["scale"] = scale
     if enable_gqa:
