@@ -248,9 +248,20 @@ class ConditioningReach:
             return self.extra_conds(*args, **kwargs)
 
 
+def _clear_prefix_cache(model: Any) -> None:
+    """HiDream O1 keeps its prompt prefix's keys / values on the diffusion model between runs, keyed by the
+    prompt only (``comfy.ldm.hidream_o1``): a run under other attention settings would reuse keys / values
+    computed under the old ones (the patched scale never reaching the prefix), and the unpatched model would
+    reuse the patched clone's. Cleared when the patched clone is loaded and when it is unloaded."""
+    clear = getattr(getattr(model, "diffusion_model", None), "clear_kv_cache", None)
+    if callable(clear):
+        clear()
+
+
 class ConditioningInjection:
     """``inject`` / ``eject`` of a ComfyUI ``PatcherInjection``: while the patched clone is loaded (as when
-    ComfyUI's sampler prepares the conditioning) its model's ``extra_conds`` is a ``ConditioningReach``.
+    ComfyUI's sampler prepares the conditioning) its model's ``extra_conds`` is a ``ConditioningReach``, and a
+    prompt-prefix key / value cache holds only what the clone's own forwards computed (``_clear_prefix_cache``).
     It acts on the patcher it is handed, so a clone that ComfyUI deep-copies wraps its own model."""
 
     def __init__(self, options: dict) -> None:
@@ -258,6 +269,7 @@ class ConditioningInjection:
 
     def inject(self, patcher: Any) -> None:
         model = patcher.model
+        _clear_prefix_cache(model)
         replaced = vars(model).get("extra_conds", _ABSENT)
         if getattr(model, "extra_conds", None) is None or isinstance(replaced, ConditioningReach):
             return
@@ -265,6 +277,7 @@ class ConditioningInjection:
 
     def eject(self, patcher: Any) -> None:
         model = patcher.model
+        _clear_prefix_cache(model)
         current = vars(model).get("extra_conds")
         if not isinstance(current, ConditioningReach):
             return
