@@ -19,8 +19,8 @@ import sys
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from graph_parts import (bucketed_train_links, loss_graph_input, node as _node, note as _note,  # noqa: E402
-                         out as output_index)
+from graph_parts import (bucketed_folder, bucketed_train_links, loss_graph_input, node as _node,  # noqa: E402
+                         note as _note, out as output_index, patch_and_attach, train_save_graph, train_settings)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -251,14 +251,7 @@ def real_train_spec() -> dict:
             _node(6, "VAELoader", [0, 620], {"vae_name": REAL_VAE}, size=[340, 60]),
             _node(7, "LoadImageTextDataSetFromFolder", [0, 720], {"folder": REAL_DATASET}, size=[340, 80]),
             _node(8, "PrecisionCachedTrainingDataset", [0, 840], {"cache": "use"}, size=[340, 130]),
-            _node(9, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_lora"},
-                  control={"seed": "fixed"}, size=[400, 470]),
-            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
-            _node(10, "PrecisionSaveLoRA", [1200, 660], {
-                "filename_prefix": REAL_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
-                "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(11, "PrecisionLossGraph", [1640, 660], {"smoothing": 0.9, "log_scale": False, "width": 768,
-                  "height": 384, "filename_prefix": "precision_lora/my_lora_loss"}, size=[560, 470]),
+            *train_save_graph((9, 10, 11), steps=1000, name="my_lora", lora_prefix=REAL_LORA_PREFIX, save_y=660),
             _note(12, [1200, 0], [760, 600], REAL_TRAIN_NOTE),
         ],
         "links": "real_train",  # filled in by real_train_links() from the schemas
@@ -337,26 +330,10 @@ def sdxl_train_spec() -> dict:
     return {
         "nodes": [
             _node(1, "CheckpointLoaderSimple", [0, 0], {"ckpt_name": SDXL_CHECKPOINT}, size=[340, 100]),
-            _node(2, "PrecisionPatchAttention", [0, 150], {
-                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
-                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
-            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 500]),
-            _node(4, "PrecisionTrainSettings", [380, 550], {
-                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "uniform", "checkpoint_every": 250,
-                "vram_budget_gb": "auto"}, size=[340, 850]),
-            _node(5, "LoadImageTextDataSetFromFolder", [0, 450], {"folder": REAL_DATASET}, size=[340, 80]),
-            _node(6, "PrecisionResolutionBuckets", [0, 580], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
-                  size=[340, 170]),
-            _node(7, "PrecisionCachedTrainingDataset", [0, 800], {"cache": "use"}, size=[340, 130]),
-            _node(8, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_sdxl_lora"},
-                  control={"seed": "fixed"}, size=[400, 470]),
-            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
-            _node(9, "PrecisionSaveLoRA", [1200, 700], {
-                "filename_prefix": SDXL_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
-                "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(10, "PrecisionLossGraph", [1640, 700], {"smoothing": 0.9, "log_scale": False, "width": 768,
-                  "height": 384, "filename_prefix": "precision_lora/my_sdxl_lora_loss"}, size=[560, 470]),
+            *patch_and_attach(2, 3),
+            train_settings(4, timestep_sampling="uniform"),
+            *bucketed_folder((5, 6, 7), REAL_DATASET, (450, 580, 800)),
+            *train_save_graph((8, 9, 10), steps=1500, name="my_sdxl_lora", lora_prefix=SDXL_LORA_PREFIX, save_y=700),
             _note(11, [1200, 0], [760, 640], SDXL_TRAIN_NOTE),
         ],
         "links": "sdxl_train",  # filled in by sdxl_train_links() from the schemas

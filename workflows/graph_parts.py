@@ -17,6 +17,52 @@ def note(id_, pos, size, text) -> dict:
     return node(id_, "Note", pos, {"text": text}, size=size)
 
 
+PATCH_DEFAULTS = {"backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
+                  "softclamp": 0.0, "fp32_softmax": False}
+
+
+def patch_and_attach(patch_id: int, attach_id: int, **attach) -> list[dict]:
+    """Patch Attention under the model loader (the model's own softmax scale) and Attach LoRA right of it (rank 16,
+    alpha 16, the 'attention' preset unless ``attach`` says otherwise; seed fixed)."""
+    return [
+        node(patch_id, "PrecisionPatchAttention", [0, 150], dict(PATCH_DEFAULTS), size=[340, 260]),
+        node(attach_id, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0,
+                                                         **attach}, control={"seed": "fixed"}, size=[340, 500]),
+    ]
+
+
+def train_settings(id_: int, **sampling) -> dict:
+    """Train Settings under Attach LoRA: AdamW at 1e-4, the family's timestep sampling, a checkpoint every 250
+    steps, the memory plan fitted to the GPU ('auto')."""
+    return node(id_, "PrecisionTrainSettings", [380, 550], {
+        "optimizer": "adamw", "learning_rate": 1e-4, **sampling, "checkpoint_every": 250, "vram_budget_gb": "auto"},
+        size=[340, 850])
+
+
+def bucketed_folder(ids: tuple[int, int, int], folder: str, ys: tuple[int, int, int], resolution: int = 1024) -> list[dict]:
+    """The dataset column: folder of captioned images -> Resolution Buckets (the model's multiple) -> Cached
+    Training Dataset, at heights ``ys``."""
+    return [
+        node(ids[0], FOLDER, [0, ys[0]], {"folder": folder}, size=[340, 80]),
+        node(ids[1], BUCKETS, [0, ys[1]], {"resolution": resolution, "multiple": 0, "max_upscale": 2.0}, size=[340, 170]),
+        node(ids[2], CACHED, [0, ys[2]], {"cache": "use"}, size=[340, 130]),
+    ]
+
+
+def train_save_graph(ids: tuple[int, int, int], *, steps: int, name: str, lora_prefix: str, save_y: int) -> list[dict]:
+    """Train LoRA (seed fixed), and right of it, not below it (Train LoRA grows by its dataset report and
+    preview images), Save LoRA (fp32, kohya keys where the family has them) and the loss graph, at ``save_y``."""
+    return [
+        node(ids[0], TRAIN, [760, 0], {"steps": steps, "seed": 0, "name": name}, control={"seed": "fixed"},
+             size=[400, 470]),
+        node(ids[1], "PrecisionSaveLoRA", [1200, save_y], {
+            "filename_prefix": lora_prefix, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
+            "use_counter": True, "overwrite": False}, size=[400, 190]),
+        node(ids[2], "PrecisionLossGraph", [1640, save_y], {"smoothing": 0.9, "log_scale": False, "width": 768,
+             "height": 384, "filename_prefix": f"precision_lora/{name}_loss"}, size=[560, 470]),
+    ]
+
+
 def out(info: dict, node_type: str, name: str) -> int:
     """The index of ``node_type``'s output ``name`` (stops the build when ComfyUI has no such output)."""
     names = info[node_type]["output_name"]

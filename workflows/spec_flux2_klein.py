@@ -10,7 +10,8 @@ an empty negative prompt) -> SamplerCustomAdvanced (euler) on EmptyFlux2LatentIm
 """
 from __future__ import annotations
 
-from graph_parts import bucketed_train_links, node as _node, note as _note
+from graph_parts import (bucketed_folder, bucketed_train_links, node as _node, note as _note, patch_and_attach,
+                         train_save_graph, train_settings)
 
 KLEIN_MODEL = "flux-2-klein-base-4b.safetensors"
 KLEIN_TEXT_ENCODER = "qwen_3_4b.safetensors"
@@ -58,8 +59,6 @@ KLEIN_INFER_NOTE = (
     "attention='apply_recorded'. mode='fp32' keeps the LoRA unmerged in fp32 (exact); 'merge' folds it in."
 )
 
-PATCH_WIDGETS = {"backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0, "softclamp": 0.0,
-                 "fp32_softmax": False}
 LOAD_LORA_WIDGETS = {
     "lora_name": KLEIN_LORA, "strength": 1.0, "mode": "fp32", "attention": "apply_recorded",
     "override_backend": "auto", "override_scale_mode": "default", "override_scale_value": 1.0,
@@ -79,24 +78,10 @@ def train_spec() -> dict:
     return {
         "nodes": [
             *_loaders([0, 0], [0, 450], [0, 610]),
-            _node(4, "PrecisionPatchAttention", [0, 150], PATCH_WIDGETS, size=[340, 260]),
-            _node(5, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 500]),
-            _node(6, "PrecisionTrainSettings", [380, 550], {
-                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "logit_normal",
-                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
-            _node(7, "LoadImageTextDataSetFromFolder", [0, 710], {"folder": KLEIN_DATASET}, size=[340, 80]),
-            _node(8, "PrecisionResolutionBuckets", [0, 830], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
-                  size=[340, 170]),
-            _node(9, "PrecisionCachedTrainingDataset", [0, 1050], {"cache": "use"}, size=[340, 130]),
-            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_klein_lora"},
-                  control={"seed": "fixed"}, size=[400, 470]),
-            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
-            _node(11, "PrecisionSaveLoRA", [1200, 760], {
-                "filename_prefix": KLEIN_LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
-                "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(12, "PrecisionLossGraph", [1640, 760], {"smoothing": 0.9, "log_scale": False, "width": 768,
-                  "height": 384, "filename_prefix": "precision_lora/my_klein_lora_loss"}, size=[560, 470]),
+            *patch_and_attach(4, 5),
+            train_settings(6, timestep_sampling="logit_normal"),
+            *bucketed_folder((7, 8, 9), KLEIN_DATASET, (710, 830, 1050)),
+            *train_save_graph((10, 11, 12), steps=1500, name="my_klein_lora", lora_prefix=KLEIN_LORA_PREFIX, save_y=760),
             _note(13, [1200, 0], [900, 700], KLEIN_TRAIN_NOTE),
         ],
         "links": train_links,

@@ -8,7 +8,8 @@ steps, cfg 2.5, EmptySD3LatentImage 1328 x 1328, an empty negative prompt).
 """
 from __future__ import annotations
 
-from graph_parts import loaders_train_links, node as _node
+from graph_parts import (bucketed_folder, loaders_train_links, node as _node, patch_and_attach,
+                         train_save_graph, train_settings)
 
 MODEL = "qwen_image_fp8_e4m3fn.safetensors"
 TEXT_ENCODER = "qwen_2.5_vl_7b_fp8_scaled.safetensors"
@@ -67,29 +68,13 @@ def train_spec() -> dict:
     return {
         "nodes": [
             _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 110]),
-            _node(2, "PrecisionPatchAttention", [0, 150], {
-                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
-                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
-            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 500]),
-            _node(4, "PrecisionTrainSettings", [380, 550], {
-                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "logit_normal",
-                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            *patch_and_attach(2, 3),
+            train_settings(4, timestep_sampling="logit_normal"),
             _node(5, "CLIPLoader", [0, 450], {"clip_name": TEXT_ENCODER, "type": "qwen_image", "device": "default"},
                   size=[340, 130]),
             _node(6, "VAELoader", [0, 620], {"vae_name": VAE}, size=[340, 60]),
-            _node(7, "LoadImageTextDataSetFromFolder", [0, 720], {"folder": DATASET}, size=[340, 80]),
-            _node(8, "PrecisionResolutionBuckets", [0, 840], {"resolution": 1024, "multiple": 0, "max_upscale": 2.0},
-                  size=[340, 170]),
-            _node(9, "PrecisionCachedTrainingDataset", [0, 1050], {"cache": "use"}, size=[340, 130]),
-            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1000, "seed": 0, "name": "my_qwen_image_lora"},
-                  control={"seed": "fixed"}, size=[400, 470]),
-            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
-            _node(11, "PrecisionSaveLoRA", [1200, 760], {
-                "filename_prefix": LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
-                "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(12, "PrecisionLossGraph", [1640, 760], {"smoothing": 0.9, "log_scale": False, "width": 768,
-                  "height": 384, "filename_prefix": "precision_lora/my_qwen_image_lora_loss"}, size=[560, 470]),
+            *bucketed_folder((7, 8, 9), DATASET, (720, 840, 1050)),
+            *train_save_graph((10, 11, 12), steps=1000, name="my_qwen_image_lora", lora_prefix=LORA_PREFIX, save_y=760),
             _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[820, 700]),
         ],
         "links": loaders_train_links,

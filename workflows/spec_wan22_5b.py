@@ -4,7 +4,8 @@ the LoRA). Read by workflows/build.py (SPECS); the file names are those of Comfy
 (video_wan2_2_5B_ti2v in comfyui_workflow_templates)."""
 from __future__ import annotations
 
-from graph_parts import loaders_train_links, node as _node
+from graph_parts import (bucketed_folder, loaders_train_links, node as _node, patch_and_attach,
+                         train_save_graph, train_settings)
 
 MODEL = "wan2.2_ti2v_5B_fp16.safetensors"
 CLIP = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
@@ -63,28 +64,12 @@ def train_spec() -> dict:
     return {
         "nodes": [
             _node(1, "UNETLoader", [0, 0], {"unet_name": MODEL, "weight_dtype": "default"}, size=[340, 100]),
-            _node(2, "PrecisionPatchAttention", [0, 150], {
-                "backend": "auto", "scale_mode": "multiplier", "scale_value": 1.0, "stable_beta": 2.0,
-                "softclamp": 0.0, "fp32_softmax": False}, size=[340, 260]),
-            _node(3, "PrecisionAttachLoRA", [380, 0], {"rank": 16, "alpha": 16.0, "targets": "attention", "seed": 0},
-                  control={"seed": "fixed"}, size=[340, 500]),
-            _node(4, "PrecisionTrainSettings", [380, 550], {
-                "optimizer": "adamw", "learning_rate": 1e-4, "timestep_sampling": "shift", "shift": 3.0,
-                "checkpoint_every": 250, "vram_budget_gb": "auto"}, size=[340, 850]),
+            *patch_and_attach(2, 3),
+            train_settings(4, timestep_sampling="shift", shift=3.0),
             _node(5, "CLIPLoader", [0, 450], {"clip_name": CLIP, "type": "wan", "device": "default"}, size=[340, 110]),
             _node(6, "VAELoader", [0, 600], {"vae_name": VAE}, size=[340, 60]),
-            _node(7, "LoadImageTextDataSetFromFolder", [0, 700], {"folder": DATASET}, size=[340, 80]),
-            _node(8, "PrecisionResolutionBuckets", [0, 820], {"resolution": 960, "multiple": 0, "max_upscale": 2.0},
-                  size=[340, 170]),
-            _node(9, "PrecisionCachedTrainingDataset", [0, 1040], {"cache": "use"}, size=[340, 130]),
-            _node(10, "PrecisionTrainLoRA", [760, 0], {"steps": 1500, "seed": 0, "name": "my_wan22_5b_lora"},
-                  control={"seed": "fixed"}, size=[400, 470]),
-            # Right of Train LoRA, not below it: Train LoRA grows by its dataset report and preview images.
-            _node(11, "PrecisionSaveLoRA", [1200, 700], {
-                "filename_prefix": LORA_PREFIX, "folder": "loras", "save_dtype": "fp32", "key_style": "auto",
-                "use_counter": True, "overwrite": False}, size=[400, 190]),
-            _node(12, "PrecisionLossGraph", [1640, 700], {"smoothing": 0.9, "log_scale": False, "width": 768,
-                  "height": 384, "filename_prefix": "precision_lora/my_wan22_5b_lora_loss"}, size=[560, 470]),
+            *bucketed_folder((7, 8, 9), DATASET, (700, 820, 1040), resolution=960),
+            *train_save_graph((10, 11, 12), steps=1500, name="my_wan22_5b_lora", lora_prefix=LORA_PREFIX, save_y=700),
             _node(13, "Note", [1200, 0], {"text": TRAIN_NOTE}, size=[780, 640]),
         ],
         "links": loaders_train_links,
