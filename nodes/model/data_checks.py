@@ -17,7 +17,7 @@ from .info import describe_model
 
 # Text width the unet config states, per family (others are read from modules or not checked).
 _CONTEXT_KEYS = {"flux": "context_in_dim", "flux2": "context_in_dim", "chroma": "context_in_dim",
-                 "cosmos_predict2": "crossattn_emb_channels"}
+                 "cosmos_predict2": "crossattn_emb_channels", "minimax_h3": "text_dim"}
 _POOLED_KEYS = {"flux": "vec_in_dim", "chroma": "vec_in_dim"}
 
 # The text encoder each family was trained with, as the user loads it in ComfyUI.
@@ -28,6 +28,7 @@ ENCODERS = {
     "chroma": "Chroma needs T5-XXL (CLIPLoader, type chroma)",
     "cosmos_predict2": "Cosmos-Predict2 needs the old T5-XXL (CLIPLoader, type cosmos)",
     "anima": "Anima needs Qwen3 0.6B (CLIPLoader with the Qwen3-0.6B file)",
+    "MiniMaxH3": "MiniMax H3 needs its Qwen3-VL-32B text encoder (CLIPLoader, type minimax)",
 }
 
 

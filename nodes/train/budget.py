@@ -33,7 +33,7 @@ import comfy.model_management as mm
 from ...training.memory_plan import CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, StepCost, choose
 from ...training.settings import TrainSettings
 from ..lora.glue import get_lora_set
-from ..model.data_checks import is_packed
+from ..model.data_checks import is_minimax_h3, is_packed
 from .data import build_samples
 from .memory_estimate import fake_twin, run_step, step_cost
 
@@ -131,16 +131,33 @@ def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds
              "checkpointing" if checkpointing else "no checkpointing")
     began, note = time.monotonic(), ""
     try:
-        run = _fake_run(model, x0, conds, lora, settings, cuda_gemm)
-    except Exception as exc:  # an optimizer that reads values (fake tensors have none)
-        if settings.optimizer == "adamw":
+        try:
+            run = _fake_run(model, x0, conds, lora, settings, cuda_gemm)
+        except Exception as exc:  # an optimizer that reads values (fake tensors have none)
+            if settings.optimizer == "adamw" or _reads_values(exc):
+                raise
+            note = (f" (optimizer {settings.optimizer} cannot run on fake tensors: estimated with adamw's two fp32 "
+                    f"moments instead; {type(exc).__name__})")
+            run = _fake_run(model, x0, conds, lora, dataclasses.replace(settings, optimizer="adamw"), cuda_gemm)
+    except Exception as exc:
+        if not _reads_values(exc):
             raise
-        note = (f" (optimizer {settings.optimizer} cannot run on fake tensors: estimated with adamw's two fp32 "
-                f"moments instead; {type(exc).__name__})")
-        run = _fake_run(model, x0, conds, lora, dataclasses.replace(settings, optimizer="adamw"), cuda_gemm)
+        raise ValueError(
+            f"[Precision LoRA] PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
+            f"PrecisionTrainSettings: this model's forward ({type(model.model).__name__}) reads tensor values as Python "
+            "numbers (MiniMax H3: the sigma), which the planner's value-less fake tensors cannot give, so its "
+            "training step cannot be estimated; set vram_budget_gb to 0 and set gradient_checkpointing / "
+            "swap_blocks by hand") from exc
     log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimated in %.1f s (tracked peak %.2f GiB)",
              time.monotonic() - began, run["peak"] / GIB)
     return step_cost(run), note
+
+
+def _reads_values(exc: BaseException) -> bool:
+    """Whether a fake-tensor run failed because the model's code read a tensor's value (``float(t)``, ``.item()``)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    return isinstance(exc, DataDependentOutputException)
 
 
 def _fake_run(model: Any, x0: torch.Tensor, conds: list, lora: Any, settings: TrainSettings, cuda_gemm: bool) -> dict:
@@ -157,6 +174,8 @@ def _batch(model: Any, cfg: TrainSettings, latents: list, conditioning: list) ->
     largest = max(batches, key=_row_numel)
     sample = build_samples(model, [{"samples": largest[:1]}], [[conditioning[0][0]]], None, torch.device("cpu"))[0]
     rows = min(cfg.batch_size, sum(int(s.shape[0]) for s in batches))
+    if is_minimax_h3(model):  # its forward takes one sample: a batch trains as forwards of one (train.data)
+        rows = 1
     return sample.latent.unsqueeze(0).repeat(rows, *([1] * sample.latent.ndim)), [sample.cond] * rows
 
 

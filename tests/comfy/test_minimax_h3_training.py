@@ -279,3 +279,63 @@ def test_a_video_part_of_another_vae_is_refused(pack_module, h3):
     message = _refusal(pack_module, h3, latent)
     for part in (NODE, "input 'latents'", "video part", "(1, 32, 2, 4, 4)", "C=24", "MiniMax H3's video VAE"):
         assert part in message, (part, message)
+
+
+def test_a_conditioning_of_another_text_encoder_is_refused(pack_module, h3):
+    """Text states of another width (here 64: not Qwen3-VL's) are refused before extra_conds' projection fails."""
+    gen = torch.Generator().manual_seed(0)
+    cond = [[torch.randn((1, tiny.TOKENS, 64), generator=gen), {}]]
+    message = _refusal(pack_module, h3, _av(), [cond])
+    for part in (NODE, "input 'conditioning'", "(1, 8, 64)", f"(B, tokens, {tiny.TEXT_DIM})",
+                 "CLIPLoader, type minimax"):
+        assert part in message, (part, message)
+
+
+def test_caption_dropouts_empty_caption_is_encoded_as_the_sample(pack_module, h3):
+    """The empty caption's conds carry the sample's part shapes, the audio scale and the unrefined text states, and
+    the forward on them differs from the caption's."""
+    tglue, tdata, captions = (pack_module(m) for m in ("nodes.train.glue", "nodes.train.data", "nodes.train.captions"))
+    settings = pack_module("training.settings").TrainSettings(caption_dropout=0.5)
+    device = torch.device("cpu")
+    samples, _ = tdata.build_dataset(h3, [_av()], [tiny.conditioning()], None, device)
+    samples = captions.with_empty_caption(h3, samples, [tiny.conditioning(seed=9, tokens=3)], settings, device)
+    empty = samples[0].empty_cond
+    assert empty["latent_shapes"].cond == [tiny.VIDEO, tiny.AUDIO]
+    assert empty["minimax_payload"].cond["audio_scale"] == 4.0
+    assert tuple(empty["c_crossattn"].cond.shape) == (1, 3, tiny.TEXT_DIM)
+    fns = tglue.model_fns(h3, None, settings, device)
+    sigma, x = torch.tensor([0.5]), samples[0].latent[None]
+    with torch.no_grad():
+        with_caption = fns.predict(x, sigma, fns.collate([samples[0].cond]))
+        without = fns.predict(x, sigma, fns.collate([empty]))
+    assert without.shape == x.shape and not torch.allclose(without, with_caption)
+
+
+def test_the_memory_budget_measures_one_sample(pack_module, h3):
+    """vram_budget_gb's step measurement runs the forward the loop runs: one sample, whatever the batch size."""
+    budget = pack_module("nodes.train.budget")
+    settings = pack_module("training.settings").TrainSettings(batch_size=2)
+    x0, conds = budget._batch(h3, settings, [_av(0), _av(1)], [tiny.conditioning()])
+    assert tuple(x0.shape) == (1, 1, N_VIDEO + 32 * 2 * 8) and len(conds) == 1
+    assert conds[0]["latent_shapes"].cond == [tiny.VIDEO, tiny.AUDIO]
+
+
+def test_the_probe_refuses_the_packed_latent_by_name(pack_module, h3):
+    probe = pack_module("nodes.probe.node")
+    with pytest.raises(ValueError) as err:
+        probe.pick(h3, [_av()], [tiny.conditioning()])
+    for part in ("PrecisionProbe", "input 'latent'", "packed audio-video LATENT", "PrecisionTrainLoRA"):
+        assert part in str(err.value), (part, str(err.value))
+
+
+def test_a_vram_budget_is_refused_by_name(pack_module, h3):
+    """The planner estimates a step on value-less fake tensors; MiniMax H3's forward reads the sigma as a number, so
+    a budget is refused with the fix (torch's DataDependentOutputException before)."""
+    budget, lglue, lora = (pack_module(m) for m in ("nodes.train.budget", "nodes.lora.glue", "lora.config"))
+    settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8")
+    with torch.inference_mode():
+        attached = lglue.attach_lora(h3, lora.LoRAConfig(rank=RANK, alpha=RANK))
+    with pytest.raises(ValueError) as err:
+        budget.plan_budget(attached, settings, [_av()], [tiny.conditioning()])
+    for part in (NODE, "input 'vram_budget_gb'='8'", "MiniMaxH3", "reads tensor values", "set vram_budget_gb to 0"):
+        assert part in str(err.value), (part, str(err.value))
