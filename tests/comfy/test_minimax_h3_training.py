@@ -12,8 +12,10 @@ copies). The tiny model (tests/minimax_h3_tiny.py) is ComfyUI's own class at sma
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -47,10 +49,14 @@ def _fixed_fns(base, shape, sigma: float = 0.5):
 
 
 def _memorise(pack_module, model, latents, conds, **settings):
+    """The default LoRA (rank 4, lr 1e-2) on Patch Attention at 1.25x (the family table's check) with fixed noise
+    and noise level; also records each training forward's batch size."""
     lglue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
-    loop, lora = pack_module("training.loop"), pack_module("lora.config")
+    loop, lora, aglue = pack_module("training.loop"), pack_module("lora.config"), pack_module("nodes.attention.glue")
     settings = pack_module("training.settings").TrainSettings(learning_rate=1e-2, **settings)
+    config = pack_module("attention.config").AttentionConfig
     with torch.inference_mode():
+        model = aglue.patch_attention(model, config(scale_mode="multiplier", scale_value=1.25))
         attached = lglue.attach_lora(model, lora.LoRAConfig(rank=RANK, alpha=RANK))
         out, lora_set = tglue.fork_lora(attached)
         with tglue.training_session(out, lora_set, settings) as device:
@@ -224,23 +230,59 @@ def test_train_node_save_and_stock_load(pack_module, h3, caplog):
         assert not torch.allclose(ours[part], base[part], atol=1e-5), f"part {part}: the LoRA changes nothing"
 
 
+@contextlib.contextmanager
+def _reference_attention(multiplier: float, refiner: float | None = None):
+    """MiniMax H3's attention (its module's binding of ComfyUI's optimized_attention, the only one it calls) as the
+    fp64 softmax(q·kᵀ·scale)·v oracle at ``multiplier`` x the default scale, without the override seam;
+    ``refiner``: another multiplier for the token refiner's calls (the text alone: TOKENS long)."""
+    import comfy.ldm.minimax.model as minimax
+    from attention.reference import reference_attention
+    from comfy.ldm.modules.attention import AttentionTensorContainer
+
+    original, calls = minimax.optimized_attention, [0]
+
+    def oracle(q, k, v, heads, mask=None, skip_reshape=False, **kwargs):
+        q, k, v = (t.take() if isinstance(t, AttentionTensorContainer) else t for t in (q, k, v))
+        assert skip_reshape and mask is None and q.shape[1] == heads  # (B, H, L, D), as MiniMax H3 calls it
+        calls[0] += 1
+        m = refiner if refiner is not None and q.shape[2] == tiny.TOKENS else multiplier
+        out = reference_attention(q, k, v, scale=m / math.sqrt(q.shape[-1]), layout="bhld")
+        return out.transpose(1, 2).flatten(2).to(q.dtype)
+
+    minimax.optimized_attention = oracle
+    try:
+        yield calls
+    finally:
+        minimax.optimized_attention = original
+
+
 def test_every_attention_call_reaches_the_override(pack_module, h3):
     """Patch Attention sees every attention call of a stock sampling step (the token refiner's, which ComfyUI runs
-    in extra_conds, and the blocks'), reports none unreached, and a 2x scale changes the output."""
+    in extra_conds, and the blocks'), reports none unreached, gives stock output at default settings, and at 2x
+    the scale gives the 2x oracle's output (every call scaled: the refiner's too)."""
     glue, config = pack_module("nodes.attention.glue"), pack_module("attention.config").AttentionConfig
     with families.count_attention_calls() as counts:
-        stock = tiny.denoise(h3)
+        stock = torch.cat([t.flatten() for t in tiny.denoise(h3).unbind()])
     # 2 blocks per forward, and the refiner's block once per conditioning (positive and negative) in extra_conds
     assert counts == {"comfy": 2 + 2, "sdpa": 0}, counts
     patched = glue.patch_attention(h3, config(collect_stats=True))
-    same = tiny.denoise(patched)
+    same = torch.cat([t.flatten() for t in tiny.denoise(patched).unbind()])
     override = patched.model_options["transformer_options"][glue.OVERRIDE_KEY]
     assert glue.get_attention_stats(patched).total().calls == counts["comfy"]
     assert override.unreached() == {}
-    for a, b in zip(same.unbind(), stock.unbind()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    scaled = tiny.denoise(glue.patch_attention(h3, config(scale_mode="multiplier", scale_value=2.0)))
-    assert not torch.allclose(scaled.unbind()[0], stock.unbind()[0], atol=1e-4)
+    assert torch.equal(same, stock)
+
+    with _reference_attention(2.0) as calls:
+        expected = torch.cat([t.flatten() for t in tiny.denoise(h3).unbind()])
+    assert calls[0] == 4
+    got = torch.cat([t.flatten() for t in tiny.denoise(
+        glue.patch_attention(h3, config(scale_mode="multiplier", scale_value=2.0))).unbind()])
+    err = float((got - expected).abs().max() / expected.abs().max())
+    moved = float((stock - expected).abs().max() / expected.abs().max())
+    assert err < 2e-4 and moved > 20 * max(err, 1e-6), (err, moved)
+    with _reference_attention(2.0, refiner=1.0):  # the refiner's call left at 1x is far from the 2x output
+        partial = torch.cat([t.flatten() for t in tiny.denoise(h3).unbind()])
+    assert float((partial - expected).abs().max() / expected.abs().max()) > 20 * max(err, 1e-6)
 
 
 def _refusal(pack_module, model, latent, conds=None) -> str:
