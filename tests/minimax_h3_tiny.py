@@ -34,15 +34,16 @@ def available() -> str | None:
     return None if hasattr(sm, NAME) else f"ComfyUI {comfyui_version.__version__} has no MiniMaxH3 model class"
 
 
-def build(seed: int = 0):
-    """ComfyUI's MiniMaxH3 at the tiny config, fp32, CPU. The rotary frequencies (a buffer ComfyUI loads from the
-    file) are the usual 1 / 10000^(i/n)."""
+def build(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """ComfyUI's MiniMaxH3 at the tiny config, fp32 (or ``dtype``: the released bf16, whose patch projections and
+    output heads ComfyUI keeps in fp32), CPU. The rotary frequencies (a buffer ComfyUI loads from the file) are the
+    usual 1 / 10000^(i/n)."""
     import comfy.model_patcher
     import comfy.supported_models as sm
 
     config = sm.MiniMaxH3({**sm.MiniMaxH3.unet_config, **TINY})
     config.unet_config.update(TINY)
-    config.set_inference_dtype(torch.float32, None)
+    config.set_inference_dtype(dtype, None)
     with torch.inference_mode(False):
         model = config.get_model({}, "")
         families._fill(model.diffusion_model, seed)

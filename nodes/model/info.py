@@ -53,6 +53,11 @@ class ModelInfo:
 
 
 def heads_and_dim(unet_config: dict, diffusion_model) -> tuple[int | None, int | None]:
+    # MiniMax H3 states both (detection reads them from the weights); its width is not heads x head_dim (5376 wide,
+    # 56 heads of 128)
+    if unet_config.get("image_model") == "minimax_h3" and unet_config.get("attention_head_dim"):
+        heads = unet_config.get("num_attention_heads")
+        return (int(heads) if heads else None), int(unet_config["attention_head_dim"])
     # Lumina 2 / Z-Image (NextDiT) name their heads "n_heads"
     heads = (unet_config.get("num_heads") or getattr(diffusion_model, "num_heads", None)
              or (unet_config.get("n_heads") if unet_config.get("image_model") == "lumina2" else None))

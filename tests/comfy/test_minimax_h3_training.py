@@ -98,6 +98,17 @@ def test_minimax_h3_memorises_a_packed_latent_with_the_default_preset(pack_modul
     assert not unmoved, f"adapters that never learnt: {unmoved}"
 
 
+def test_a_bf16_base_trains(pack_module, h3):
+    """The released dtype: bf16 blocks beside ComfyUI's fp32 patch projections and output heads."""
+    model = tiny.build(dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.model.diffusion_model.named_parameters()}
+    assert dtypes["blocks.0.attn.qkv_proj.weight"] == torch.bfloat16
+    assert dtypes["final_layer.audio_out.weight"] == dtypes["video_patch_proj.weight"] == torch.float32
+    losses, lora_set, *_ = _memorise(pack_module, model, [_av()], [tiny.conditioning()])
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    assert all(float(a.up.detach().abs().sum()) > 0 for a in lora_set.adapters().values())
+
+
 def test_the_packed_forward_is_comfyuis_sampler_step(pack_module, h3):
     """One euler step of ComfyUI's own sampler from sigma 0.5 (it packs, scales the audio, noises and denoises)
     equals the x0 the training forward implies for the same noise and sigma, on the video and the audio part.
@@ -381,3 +392,12 @@ def test_a_vram_budget_is_refused_by_name(pack_module, h3):
         budget.plan_budget(attached, settings, [_av()], [tiny.conditioning()])
     for part in (NODE, "input 'vram_budget_gb'='8'", "MiniMaxH3", "reads tensor values", "set vram_budget_gb to 0"):
         assert part in str(err.value), (part, str(err.value))
+
+
+def test_head_dim_is_read_from_the_config_so_a_lora_records_its_scale(pack_module, h3):
+    """MiniMax H3's width is not heads x head_dim (released: 5376 wide, 56 heads of 128): the head width comes from
+    attention_head_dim, and a LoRA's metadata records the softmax scale (only the backend before)."""
+    info = pack_module("nodes.model.info").describe_model(h3)
+    assert (info.heads, info.head_dim) == (tiny.TINY["num_attention_heads"], tiny.TINY["attention_head_dim"])
+    md = pack_module("nodes.lora.glue").attention_metadata(h3, info)
+    assert float(md["ss_attn_softmax_scale"]) == pytest.approx(1 / math.sqrt(tiny.TINY["attention_head_dim"]))
