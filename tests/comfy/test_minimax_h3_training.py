@@ -109,41 +109,71 @@ def test_a_bf16_base_trains(pack_module, h3):
     assert all(float(a.up.detach().abs().sum()) > 0 for a in lora_set.adapters().values())
 
 
-def test_the_packed_forward_is_comfyuis_sampler_step(pack_module, h3):
-    """One euler step of ComfyUI's own sampler from sigma 0.5 (it packs, scales the audio, noises and denoises)
-    equals the x0 the training forward implies for the same noise and sigma, on the video and the audio part.
-    At sigma 0.5 the audio stream runs at its own shifted sigma, so a wrong audio scale would show."""
+def _keyframe_conditioning(seed: int = 0) -> list:
+    """What MiniMaxH3ImageToVideo gives with a first frame: the prompt's states with the image's tokens tagged 0
+    (vision) and the frame's latent as a keyframe at frame 0 (a cond row block the model never denoises)."""
+    cond = tiny.conditioning(seed)
+    tags = torch.ones(tiny.TOKENS, dtype=torch.long)
+    tags[1:5] = 0
+    frame = torch.randn((1, 24, 1, 4, 4), generator=torch.Generator().manual_seed(seed + 5))
+    cond[0][1] = {"minimax_token_tags": tags, "minimax_keyframes": [{"resolved_frame_index": 0, "latent": frame}]}
+    return cond
+
+
+def _sampler_step(pack_module, model, cond: list, seed: int):
+    """(the stock sampler's packed output, the pack's) for one euler step from sigma 0.5 to 0."""
     import comfy.sample
     import comfy.samplers
     import comfy.utils
 
     tglue, tdata = pack_module("nodes.train.glue"), pack_module("nodes.train.data")
     settings = pack_module("training.settings").TrainSettings()
-    latent, cond = _av(seed=4), tiny.conditioning(seed=4)
+    latent = _av(seed=4)
     noise = comfy.sample.prepare_noise(latent["samples"], 7)
     sigmas = torch.tensor([0.5, 0.0])
     with torch.inference_mode():
-        stock = comfy.sample.sample_custom(h3, noise, 1.0, comfy.samplers.sampler_object("euler"), sigmas, cond, cond,
-                                           latent["samples"], disable_pbar=True, seed=7)
+        stock = comfy.sample.sample_custom(model, noise, 1.0, comfy.samplers.sampler_object("euler"), sigmas, cond,
+                                           cond, latent["samples"], disable_pbar=True, seed=seed)
     stock_packed, shapes = comfy.utils.pack_latents(stock.unbind())
     device = torch.device("cpu")
-    samples, _ = tdata.build_dataset(h3, [latent], [cond], None, device)
-    fns = tglue.model_fns(h3, None, settings, device)
+    samples, _ = tdata.build_dataset(model, [latent], [cond], None, device)
+    fns = tglue.model_fns(model, None, settings, device)
     sigma = sigmas[:1]
     packed_noise, _ = comfy.utils.pack_latents(noise.unbind())
     with torch.no_grad():
         x_t = fns.noise_latent(sigma, packed_noise[0][None], samples[0].latent[None])
         x0 = x_t - sigma * fns.predict(x_t, sigma, fns.collate([samples[0].cond]))
-    before = h3.model.latent_shapes  # the sampler leaves its shapes on the model
-    h3.model.latent_shapes = None
-    with tdata.sampler_shapes(h3, shapes):
-        ours = h3.model.process_latent_out(x0)
-    assert h3.model.latent_shapes is None  # restored
-    h3.model.latent_shapes = before
+    before = model.model.latent_shapes  # the sampler leaves its shapes on the model
+    model.model.latent_shapes = None
+    with tdata.sampler_shapes(model, shapes):
+        ours = model.model.process_latent_out(x0)
+    assert model.model.latent_shapes is None  # restored
+    model.model.latent_shapes = before
+    clean, _ = comfy.utils.pack_latents(latent["samples"].unbind())
+    return stock_packed, ours, clean
+
+
+def test_the_packed_forward_is_comfyuis_sampler_step(pack_module, h3):
+    """One euler step of ComfyUI's own sampler from sigma 0.5 (it packs, scales the audio, noises and denoises)
+    equals the x0 the training forward implies for the same noise and sigma, on the video and the audio part.
+    At sigma 0.5 the audio stream runs at its own shifted sigma, so a wrong audio scale would show."""
+    stock_packed, ours, clean = _sampler_step(pack_module, h3, tiny.conditioning(seed=4), seed=7)
     torch.testing.assert_close(ours[..., :N_VIDEO], stock_packed[..., :N_VIDEO], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ours[..., N_VIDEO:], stock_packed[..., N_VIDEO:], rtol=1e-4, atol=1e-4)
-    clean, _ = comfy.utils.pack_latents(latent["samples"].unbind())
     assert float((stock_packed[..., N_VIDEO:] - clean[..., N_VIDEO:]).abs().mean()) > 1e-2  # audio was denoised
+
+
+def test_a_first_frame_keyframe_trains_as_the_sampler_runs_it(pack_module, h3):
+    """Image-to-video conditioning (a keyframe's latent in the payload, its rows in the packed layout) gives the
+    sampler's step (sampled with seed 0: the keyframe's noise augmentation is seeded by the sampler's seed, and the
+    pack encodes with 0), and the default LoRA memorises with it."""
+    stock_packed, ours, _ = _sampler_step(pack_module, h3, _keyframe_conditioning(seed=4), seed=0)
+    torch.testing.assert_close(ours, stock_packed, rtol=1e-4, atol=1e-4)
+    plain, _, _ = _sampler_step(pack_module, h3, tiny.conditioning(seed=4), seed=0)
+    assert not torch.allclose(plain, stock_packed, atol=1e-4)  # the keyframe changes the step
+    losses, _, samples, _, _ = _memorise(pack_module, h3, [_av()], [_keyframe_conditioning()])
+    assert len(samples[0].cond["minimax_payload"].cond["cond_video_latents"]) == 1
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
 
 def test_the_fused_rope_has_no_backward_and_the_session_reroutes_it(pack_module, h3):
