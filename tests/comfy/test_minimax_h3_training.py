@@ -176,6 +176,26 @@ def test_a_first_frame_keyframe_trains_as_the_sampler_runs_it(pack_module, h3):
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
 
+def test_the_shift_nodes_schedule_is_the_one_trained(pack_module, h3):
+    """ModelSamplingMiniMaxH3 (MiniMaxH3SigmaShift: video shift 5, audio 3) patches model_sampling and the DiT's
+    shifts: the sampler step still equals the pack's, and the samples the training session builds carry its audio
+    scale 5/3 (not the class's 4)."""
+    import comfy.utils
+    from comfy_extras.nodes_minimax_h3 import MiniMaxH3SigmaShift
+
+    shifted = MiniMaxH3SigmaShift.execute(h3, 5.0, 3.0).args[0]
+    stock_packed, ours, _ = _sampler_step(pack_module, shifted, tiny.conditioning(seed=4), seed=7)
+    torch.testing.assert_close(ours, stock_packed, rtol=1e-4, atol=1e-4)
+    unshifted, _, _ = _sampler_step(pack_module, h3, tiny.conditioning(seed=4), seed=7)
+    assert not torch.allclose(unshifted, stock_packed, atol=1e-4)
+    losses, _, samples, _, _ = _memorise(pack_module, shifted, [_av()], [tiny.conditioning()])
+    assert samples[0].cond["minimax_payload"].cond["audio_scale"] == pytest.approx(5 / 3)
+    video, audio = tiny.parts()
+    packed, _ = comfy.utils.pack_latents([video, audio])
+    torch.testing.assert_close(samples[0].latent[N_VIDEO:], packed[0, N_VIDEO:] * (5 / 3))
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
 def test_the_fused_rope_has_no_backward_and_the_session_reroutes_it(pack_module, h3):
     """ComfyUI's attention (while training) calls comfy-kitchen's rms_rope_split_half, which refuses a backward;
     inside the pack's session the call takes comfy-kitchen's plain-PyTorch twin: same values, and gradients."""
