@@ -1,10 +1,12 @@
 """Tiny models of ComfyUI's image and video families, built at test time from ComfyUI's own classes.
 
 ``TINY[name]`` is a ``comfy.supported_models`` class name -> what to add to that class's ``unet_config``
-so its diffusion model is a few MB (widths 64, 1-2 blocks) with the module paths and code paths of the
-released model; ``CONTEXT[name]`` the text width (and pooled width) its conditioning carries.
-``build(name)`` returns a ModelPatcher with seeded random fp32 weights; ``denoise(model)`` runs one
-euler step through ComfyUI's sampler (extra_conds, wrappers, transformer_options as KSampler runs).
+so its diffusion model is a few MB (widths 64, 1-2 blocks; HiDream O1's text width 3072, see TINY) with the
+module paths and code paths of the released model; ``CONTEXT[name]`` the text width (and pooled width) its
+conditioning carries.
+``build(name)`` returns a ModelPatcher with seeded random fp32 weights; ``latent``, ``conditioning`` what the
+family's nodes give (a packed LATENT for LTX-2, token ids for HiDream O1); ``denoise(model)`` runs one euler
+step through ComfyUI's sampler (extra_conds, wrappers, transformer_options as KSampler runs).
 """
 from __future__ import annotations
 
@@ -224,6 +226,23 @@ TINY: dict[str, dict] = {
                          "block_repeat": [[1, 1, 1, 1], [1, 1, 1, 1]], "c_cond": 64, "c_clip": 64, "c_r": 64},
     "LTXV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
              "num_layers": 2},
+    # LTX-2 (LTXAV): LTXV's video stream plus an audio stream (its own attention, audio-video cross-attention);
+    # its LATENT packs a video and an audio latent (LTXVConcatAVLatent, see PACKED). The text connectors (run on
+    # unprocessed text only) at 2 heads of 32 too: at their class widths (30 x 128) they held 700 M parameters
+    "LTXAV": {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
+              "num_layers": 2, "audio_cross_attention_dim": 32, "audio_attention_head_dim": 16,
+              "audio_num_attention_heads": 2, "connector_attention_head_dim": 32,
+              "connector_num_attention_heads": 2},
+    # HiDream O1: a pixel DiT inside Qwen3-VL's language model (2 layers, 2 heads of 32, GQA with 1 k/v head; a
+    # 1-block vision tower). Its text width is 3072, not 64: the pixel head writes a 32x32 RGB patch (3072
+    # values, patch size fixed by ComfyUI) from one RMS-normalised hidden state, and at 64 wide no hidden state
+    # brings the random head's output nearer the image than 0.71x of its start (the released model is 4096
+    # wide). The width costs little but the full-vocabulary token table (see _fill).
+    "HiDreamO1": {"text_config_overrides": {"hidden_size": 3072, "intermediate_size": 128, "num_hidden_layers": 2,
+                                            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                                            "rope_dims": [8, 4, 4]},
+                  "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                                              "depth": 1, "deepstack_visual_indexes": ()}},
 }
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
@@ -240,6 +259,7 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
     "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
     "Stable_Cascade_B": (64, 64), "LongCatImage": (3584, None), "SeedVR2": (5120, None),
+    "LTXAV": (128, None),  # the video and the audio text connector's outputs, caption_channels (64) each
 }
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
@@ -298,10 +318,14 @@ LATENT_CHANNELS: dict[str, int] = {"HunyuanImage21Refiner": 32}
 EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 # Latent frames where one is not enough (Wan Animate 2: frame 0 is the reference image's slot).
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
-# Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512).
+# Packed LATENTs (ComfyUI's NestedTensor): class -> the part shapes a latent node joins. LTX-2: a video
+# (1, 128, frames, h, w) and an audio latent (1, 8, frames, 16) joined by LTXVConcatAVLatent.
+PACKED: dict[str, tuple[tuple[int, ...], ...]] = {"LTXAV": ((1, 128, 2, 2, 2), (1, 8, 4, 16))}
+# Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512; HiDream O1's
+# 32-pixel patches: 512 gives 2 x 2 patches, the latent side being size / 8).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128, "PiD": 128,
                           "ZImagePixelSpace": 128, "Stable_Cascade_B": 128,
-                          "WAN22_WanDancer": 64}
+                          "WAN22_WanDancer": 64, "HiDreamO1": 512}
 
 
 def _norm_gains(module: torch.nn.Module) -> set[str]:
@@ -315,6 +339,11 @@ def _norm_gains(module: torch.nn.Module) -> set[str]:
                     for p, _ in sub.named_parameters(recurse=False) if p.endswith("_scale")}
 
 
+# Tensors above this many elements (only HiDream O1's 151,936-token table at 3072 wide: 467 M) repeat a seeded
+# block of TABLE_BLOCK rows: drawing every number took 30 s and twice the table's memory.
+LARGE, TABLE_BLOCK = 1 << 25, 4096
+
+
 def _fill(module: torch.nn.Module, seed: int) -> None:
     """ComfyUI's ops leave weights uninitialised: fan-in scaled matrices, gains near 1, small biases.
 
@@ -323,7 +352,12 @@ def _fill(module: torch.nn.Module, seed: int) -> None:
     gen, gains = torch.Generator().manual_seed(seed), _norm_gains(module)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            if p.ndim >= 2:
+            if p.ndim >= 2 and p.numel() > LARGE:
+                block = torch.randn((TABLE_BLOCK, *p.shape[1:]), generator=gen) / math.sqrt(math.prod(p.shape[1:]))
+                for start in range(0, p.shape[0], TABLE_BLOCK):
+                    rows = p[start:start + TABLE_BLOCK]
+                    rows.copy_(block[:rows.shape[0]])
+            elif p.ndim >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(math.prod(p.shape[1:])))
             elif name in gains or ("norm" in name and name.endswith(("weight", "scale"))):
                 p.copy_(1.0 + 0.05 * torch.randn(p.shape, generator=gen))
@@ -365,10 +399,23 @@ def context_width(name: str) -> tuple[int, int | None]:
     return CONTEXT.get(name, (64, None))
 
 
+def packed_latent(name: str, seed: int = 0) -> dict:
+    """The LATENT of a packed family (PACKED): seeded parts joined by ComfyUI's own node (LTXVConcatAVLatent)."""
+    from comfy_extras.nodes_lt import LTXVConcatAVLatent
+
+    gen = torch.Generator().manual_seed(seed)
+    video, audio = (torch.randn(shape, generator=gen) for shape in PACKED[name])
+    return LTXVConcatAVLatent.execute({"samples": video}, {"samples": audio}).args[0]
+
+
 def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tensor:
-    """A seeded latent of the model's channels: (1, C, H, W), or (1, C, frames, H, W) for video models."""
+    """A seeded latent of the model's channels: (1, C, H, W), or (1, C, frames, H, W) for video models; for a
+    packed family (PACKED) its parts joined by ComfyUI's own latent node (LTXVConcatAVLatent: a NestedTensor)."""
     fmt = model.model.latent_format
     gen = torch.Generator().manual_seed(seed)
+    name = type(model.model.model_config).__name__
+    if name in PACKED:
+        return packed_latent(name, seed)["samples"]
     spatial = (size // 8, size // 8)
     channels = LATENT_CHANNELS.get(type(fmt).__name__, fmt.latent_channels)
     shape = (1, channels, frames, *spatial) if fmt.latent_dimensions == 3 else (1, channels, *spatial)
@@ -381,7 +428,23 @@ def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tenso
 NOT_IN_TRAINING: frozenset[str] = frozenset({"face"})
 
 
+def token_conditioning(prompt: str = "a red fox in the snow") -> list:
+    """What ComfyUI's HiDream O1 text encoder gives (a tokenizer only): the prompt's token ids, which the model's
+    extra_conds lays out with the image patches (and a surrogate tensor of the ids)."""
+    from comfy.text_encoders.hidream_o1 import HiDreamO1Tokenizer
+
+    pairs = HiDreamO1Tokenizer().tokenize_with_weights(prompt)["hidream_o1"][0]
+    ids = torch.tensor([[int(p[0]) for p in pairs]])
+    return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+
+
+# Families whose conditioning is token ids, not embeddings: class -> prompt.
+TOKEN_IDS: dict[str, str] = {"HiDreamO1": "a red fox in the snow"}
+
+
 def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = False) -> list:
+    if name in TOKEN_IDS:
+        return token_conditioning(TOKEN_IDS[name])
     width, pooled = context_width(name)
     gen = torch.Generator().manual_seed(seed + 1)
     extra = {"pooled_output": torch.randn((1, pooled), generator=gen)} if pooled else {}
@@ -443,15 +506,24 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = Fal
 
 
 def denoise(model, name: str, seed: int = 0) -> torch.Tensor:
-    """One euler step (cfg 1: one forward) through ComfyUI's sampler."""
+    """One euler step (cfg 1: one forward) through ComfyUI's sampler (a packed family's output flat), a new
+    generation each call: HiDream O1's prompt-prefix key / value cache (kept on the model across runs, keyed by
+    token ids) is cleared first, so every call computes the prefix with its own attention."""
     import comfy.sample
+
+    clear = getattr(model.model.diffusion_model, "clear_kv_cache", None)
+    if clear is not None:
+        clear()
 
     x = latent(model, seed, frames=FRAMES.get(name, 1), size=PIXELS.get(name, 32))
     if name in EMPTY_LATENT:
         x = comfy.sample.fix_empty_latent_channels(model, torch.zeros_like(x))
     cond = conditioning(name, seed)
     noise = comfy.sample.prepare_noise(x, seed)
-    return comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, x, disable_pbar=True, seed=seed)
+    out = comfy.sample.sample(model, noise, 1, 1.0, "euler", "simple", cond, cond, x, disable_pbar=True, seed=seed)
+    if name in PACKED:  # a NestedTensor: every part's values, flat (video then audio)
+        out = torch.cat([part.flatten() for part in out.unbind()])
+    return out
 
 
 def attention_functions() -> set[int]:

@@ -57,6 +57,9 @@ class ReferenceAttention:
             b = q.shape[0]
             q, k, v = (t.view(b, t.shape[1], heads, -1) for t in (q, k, v))
             layout = "blhd"
+        if kwargs.get("enable_gqa"):  # k/v with fewer heads (HiDream O1): each serves a group of query heads
+            axis = 1 if layout == "bhld" else 2
+            k, v = (t.repeat_interleave(q.shape[axis] // t.shape[axis], dim=axis) for t in (k, v))
         head_dim = q.shape[-1]
         scale = self.multiplier * (kwargs.get("scale") or 1 / math.sqrt(head_dim))  # 0.33 passes a model's own base
         out = reference_attention(q.float(), k.float(), v.float(), scale=scale, mask=mask, layout=layout)
@@ -84,9 +87,15 @@ def reference_forward(multiplier: float = 1.0, direct_sdpa: bool = True):
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def reference_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        """Direct SDPA calls (Mochi, Anima's adapter): every ComfyUI function above computes without SDPA."""
-        assert not is_causal and not dropout_p and not kwargs.get("enable_gqa")
+        """Direct SDPA calls (Mochi, Anima's adapter, HiDream O1's causal prompt prefix): every ComfyUI function
+        above computes without SDPA. Causal: query i sees keys 0..i (written out here, not SDPA's flag)."""
+        assert not dropout_p and not (is_causal and attn_mask is not None)
         ref.calls += 1
+        if kwargs.get("enable_gqa"):
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        if is_causal:
+            rows, cols = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+            attn_mask = cols <= rows
         s = multiplier * (scale or 1 / math.sqrt(q.shape[-1]))
         return reference_attention(q.float(), k.float(), v.float(), scale=s, mask=attn_mask).to(q.dtype)
 
@@ -192,8 +201,9 @@ def test_stats_are_labelled_per_flux_block(glue, AttentionConfig):
 import families  # noqa: E402  (tests/ is on sys.path, as for ``models``)
 
 # Families whose calls reach the override only through nodes/attention/reach.py: without transformer_options
-# (PixArt, HunyuanDiT, ErnieImage) or straight to SDPA (Mochi); the rest pass transformer_options.
-REACHED_BY_SHIMS = {"PixArtAlpha", "PixArtSigma", "HunyuanDiT", "ErnieImage", "GenmoMochi"}
+# (PixArt, HunyuanDiT, ErnieImage) or straight to SDPA (Mochi; HiDream O1's causal prompt prefix, half its
+# calls); the rest pass transformer_options.
+REACHED_BY_SHIMS = {"PixArtAlpha", "PixArtSigma", "HunyuanDiT", "ErnieImage", "GenmoMochi", "HiDreamO1"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,6 +253,37 @@ def test_custom_scale_matches_reference_in_every_family_and_default_is_stock(glu
     moved = (stock - expected).abs().max().item() / expected.abs().max().item()
     assert err < SCALE_TOL, f"{name}: relative error {err:.2e} against the 2x reference"
     assert moved > 20 * max(err, 1e-6), f"{name}: the scale moves the output by {moved:.2e} only"
+
+
+def test_hidream_o1_prefix_cache_holds_only_the_patched_clones_own_attention(glue, AttentionConfig):
+    """HiDream O1 keeps its prompt prefix's keys / values on the model between runs, keyed by the prompt only
+    (ComfyUI clears it nowhere). A patched run right after a stock run with the same prompt computes the prefix
+    under its own scale (the 2x reference; its causal prefix calls run), and a stock run after it is stock's
+    again: loading and unloading the patched clone clear that cache."""
+    import comfy.sample
+
+    name = "HiDreamO1"
+    model = _family(name)
+    _, stock = _family_stock(name)
+    dm = model.model.diffusion_model
+
+    def run(m):  # ComfyUI's sampler as a user runs it again: the cache is not cleared first (families.denoise does)
+        x, cond = families.latent(m, 0, size=families.PIXELS[name]), families.conditioning(name, 0)
+        return comfy.sample.sample(m, comfy.sample.prepare_noise(x, 0), 1, 1.0, "euler", "simple", cond, cond, x,
+                                   disable_pbar=True, seed=0)
+
+    with reference_forward(multiplier=2.0):
+        expected = families.denoise(model, name)
+    dm.clear_kv_cache()
+    assert torch.equal(run(model), stock) and dm._kv_cache_entries, "a stock run fills the prefix cache"
+    patched = glue.patch_attention(model, AttentionConfig(scale_mode="multiplier", scale_value=2.0,
+                                                          collect_stats=True))
+    got = run(patched)
+    assert glue.get_attention_stats(patched).total().calls == _family_stock(name)[0]["comfy"] + \
+        _family_stock(name)[0]["sdpa"] == 4  # 2 layers: the causal prefix and the image part
+    err = (got - expected).abs().max().item() / expected.abs().max().item()
+    assert err < SCALE_TOL, f"relative error {err:.2e} against the 2x reference"
+    assert torch.equal(run(model), stock), "the stock model reused the patched clone's prefix keys / values"
 
 
 def test_shims_are_restored_when_the_forward_raises(glue, pack_module, AttentionConfig):

@@ -5,7 +5,8 @@ from training it, and the pack handles both for this model only (``nodes.train.g
 its Llama blocks add the residual with ``torch.add(residual, x, out=x)``, which autograd refuses for a tensor
 that needs a gradient (computed out of place while the session trains), and it caches the prompt prefix's
 keys / values across calls by token ids, not weights (cleared before every training forward and on exit).
-The tiny model is ComfyUI's own class at small widths, with the real tokenizer's ids.
+The tiny model is ComfyUI's own class at small widths (tests/families.py), with the real tokenizer's ids. Its
+sampling scales the noise by 8 (x_t = sigma * 8 * noise + (1 - sigma) * x0): the flow target is 8 * noise - x0.
 """
 from __future__ import annotations
 
@@ -18,38 +19,19 @@ import families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RANK, STEPS, PIXELS = 4, 20, 64
-TINY = {"text_config_overrides": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                                  "rope_dims": [8, 4, 4]},
-        "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "depth": 1,
-                                    "deepstack_visual_indexes": ()}}
 
 
 @pytest.fixture(scope="module")
 def hidream_o1(pack):
-    import comfy.model_patcher
-    import comfy.supported_models as sm
-    import comfyui_version
-
-    if not hasattr(sm, "HiDreamO1"):
-        pytest.skip(f"ComfyUI {comfyui_version.__version__} has no HiDreamO1 model class in comfy.supported_models")
-    config = sm.HiDreamO1({**sm.HiDreamO1.unet_config, **TINY})
-    config.unet_config.update(TINY)
-    config.set_inference_dtype(torch.float32, None)
-    with torch.inference_mode(False):
-        model = config.get_model({}, "")
-        families._fill(model.diffusion_model, 0)
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    reason = families.available("HiDreamO1")
+    if reason is not None:
+        pytest.skip(reason)
+    return families.build("HiDreamO1")  # ComfyUI's class at the family table's tiny widths (tests/families.py)
 
 
 def _conditioning(prompt: str = "a red fox in the snow") -> list:
     """What ComfyUI's HiDream O1 text encoder gives: the prompt's token ids (and a surrogate tensor)."""
-    from comfy.text_encoders.hidream_o1 import HiDreamO1Tokenizer
-
-    pairs = HiDreamO1Tokenizer().tokenize_with_weights(prompt)["hidream_o1"][0]
-    ids = torch.tensor([[int(p[0]) for p in pairs]])
-    return [[ids.unsqueeze(-1).float(), {"text_input_ids": ids}]]
+    return families.token_conditioning(prompt)
 
 
 def _image(seed: int = 0) -> dict:
@@ -57,8 +39,8 @@ def _image(seed: int = 0) -> dict:
 
 
 def _session(pack_module, model, **settings):
-    """A LoRA on every target ("all": the attention-only default cannot move the 64-wide tiny model's pixel
-    head to a random image) and the pack's training session pieces."""
+    """A LoRA on every target ("all": gradients reach the patch embedding, the blocks' MLPs and the pixel head as
+    well as the attention; the default preset's row is in the family table) and the training session pieces."""
     lglue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
     lora = pack_module("lora.config")
     settings = pack_module("training.settings").TrainSettings(learning_rate=3e-2, **settings)
@@ -148,3 +130,25 @@ def test_other_families_run_without_the_mode(pack_module):
     assert not tglue.prefix_cache_model(dm)
     with tglue._prefix_cache_training(dm):
         assert not torch._C._is_torch_function_mode_enabled()
+
+
+def test_the_flow_target_is_the_velocity_of_the_scaled_noise(pack_module, hidream_o1):
+    """HiDream O1 samples with noise_scale 8: the training target must be the velocity ComfyUI's sampler
+    integrates, the one whose denoised output (CONST.calculate_denoised) is the clean image: 8 * noise - x0
+    (noise - x0 trained the model to leave 7 * sigma * noise in its x0, and no LoRA lowered that loss)."""
+    tglue = pack_module("nodes.train.glue")
+    settings = pack_module("training.settings").TrainSettings()
+    ms = hidream_o1.model.model_sampling
+    assert ms.noise_scale == 8.0
+    fns = tglue.model_fns(hidream_o1, None, settings, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    x0, noise = _image()["samples"], torch.randn((1, 3, PIXELS, PIXELS), generator=gen)
+    sigma = torch.tensor([0.3])
+    x_t, target = fns.noise_latent(sigma, noise, x0), fns.target(sigma, noise, x0)
+    torch.testing.assert_close(ms.calculate_denoised(sigma, target, x_t), x0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(target, 8 * noise - x0)
+    # a model without a noise scale keeps noise - x0
+    aura = families.build("AuraFlow")
+    assert getattr(aura.model.model_sampling, "noise_scale", 1.0) == 1.0
+    plain = tglue.model_fns(aura, None, settings, torch.device("cpu")).target(sigma, noise, x0)
+    torch.testing.assert_close(plain, noise - x0, rtol=0, atol=0)

@@ -19,44 +19,26 @@ import families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RANK, STEPS = 4, 20
-TINY_LTXAV = {"cross_attention_dim": 64, "attention_head_dim": 32, "num_attention_heads": 2, "caption_channels": 64,
-              "num_layers": 2, "audio_cross_attention_dim": 32, "audio_attention_head_dim": 16,
-              "audio_num_attention_heads": 2}
 NODE = "PrecisionTrainLoRA"
 
 
 @pytest.fixture(scope="module")
 def ltxav(pack):
-    import comfy.model_patcher
-    import comfy.supported_models as sm
-    import comfyui_version
-
-    if not hasattr(sm, "LTXAV"):
-        pytest.skip(f"ComfyUI {comfyui_version.__version__} has no LTXAV model class in comfy.supported_models")
-    config = sm.LTXAV({**sm.LTXAV.unet_config, **TINY_LTXAV})
-    config.unet_config.update(TINY_LTXAV)
-    config.set_inference_dtype(torch.float32, None)
-    with torch.inference_mode(False):
-        model = config.get_model({}, "")
-        families._fill(model.diffusion_model, 0)
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    reason = families.available("LTXAV")
+    if reason is not None:
+        pytest.skip(reason)
+    return families.build("LTXAV")  # ComfyUI's class at the family table's tiny widths
 
 
 def _av_latent(seed: int = 0) -> dict:
     """Video (1, 128, 2, 2, 2) and audio (1, 8, 4, 16) joined by ComfyUI's own LTXVConcatAVLatent."""
-    from comfy_extras.nodes_lt import LTXVConcatAVLatent
-
-    gen = torch.Generator().manual_seed(seed)
-    video, audio = torch.randn((1, 128, 2, 2, 2), generator=gen), torch.randn((1, 8, 4, 16), generator=gen)
-    return LTXVConcatAVLatent.execute({"samples": video}, {"samples": audio}).args[0]
+    return families.packed_latent("LTXAV", seed)
 
 
 def _conditioning(seed: int = 0) -> list:
     """A processed LTX-2 text embedding: the video and the audio connector's outputs, caption_channels (64) each
     (the width preprocess_text_embeds takes as is)."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    return [[torch.randn((1, 8, 128), generator=gen), {}]]
+    return families.conditioning("LTXAV", seed)
 
 
 def _memorise(pack_module, model, latents, conds):
