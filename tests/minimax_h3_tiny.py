@@ -10,6 +10,9 @@ encoder gives (``minimax_token_tags``: 1 for text tokens).
 ``build(seed)`` returns a ModelPatcher with seeded fp32 weights (64 wide, 2 blocks, 1 refiner block, head_dim 32 of
 which 24 are rotated); ``latent(model, seed)`` a packed latent of 2 video frames of 4 x 4 (64 px) and the 8 audio
 frames EmptyMiniMaxH3LatentAV gives 5 video frames; ``conditioning(seed)`` a text-only prompt of 8 tokens.
+tests/families.py gives the same values with TINY here, CONTEXT (TEXT_DIM, None), EXTRAS {"minimax_token_tags":
+"int_mask"}, PACKED (VIDEO, AUDIO) and ``fill_buffers`` after its ``_fill`` (checked: the family row
+"generic | 6 | 12 | 14 | 22 | none | 4/4 | yes (15.3 -> 10.3)").
 """
 from __future__ import annotations
 
@@ -36,8 +39,7 @@ def available() -> str | None:
 
 def build(seed: int = 0, dtype: torch.dtype = torch.float32):
     """ComfyUI's MiniMaxH3 at the tiny config, fp32 (or ``dtype``: the released bf16, whose patch projections and
-    output heads ComfyUI keeps in fp32), CPU. The rotary frequencies (a buffer ComfyUI loads from the file) are the
-    usual 1 / 10000^(i/n)."""
+    output heads ComfyUI keeps in fp32), CPU, its rotary frequencies filled (``fill_buffers``)."""
     import comfy.model_patcher
     import comfy.supported_models as sm
 
@@ -47,10 +49,16 @@ def build(seed: int = 0, dtype: torch.dtype = torch.float32):
     with torch.inference_mode(False):
         model = config.get_model({}, "")
         families._fill(model.diffusion_model, seed)
-        inv = model.diffusion_model.rope.inv_freq
-        inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.shape[0], dtype=torch.float32) / inv.shape[0]))
+        fill_buffers(model.diffusion_model)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+def fill_buffers(diffusion_model: torch.nn.Module) -> None:
+    """The rotary frequencies, a buffer ComfyUI loads from the file (``torch.empty`` until then): 1 / 10000^(i/n)."""
+    with torch.no_grad():
+        inv = diffusion_model.rope.inv_freq
+        inv.copy_(1.0 / 10000.0 ** (torch.arange(inv.shape[0], dtype=torch.float32) / inv.shape[0]))
 
 
 def parts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
