@@ -243,6 +243,11 @@ TINY: dict[str, dict] = {
                                             "rope_dims": [8, 4, 4]},
                   "vision_config_overrides": {"hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
                                               "depth": 1, "deepstack_visual_indexes": ()}},
+    # MiniMax H3: video (24 channels) and stereo audio in one packed sequence [text | audio | video] (see PACKED),
+    # 2 blocks of 2 heads of 32 (24 rotated), a 1-block token refiner on the 48-wide text (tests/minimax_h3_tiny.py)
+    "MiniMaxH3": {"hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1, "num_attention_heads": 2,
+                  "attention_head_dim": 32, "ffn_hidden_size": 128, "text_dim": 48, "timestep_input_dim": 32,
+                  "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4},
 }
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
@@ -260,6 +265,7 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
     "Stable_Cascade_B": (64, 64), "LongCatImage": (3584, None), "SeedVR2": (5120, None),
     "LTXAV": (128, None),  # the video and the audio text connector's outputs, caption_channels (64) each
+    "MiniMaxH3": (48, None),  # Qwen3-VL's hidden states at the tiny text_dim (projected and refined in the model)
 }
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
@@ -309,6 +315,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "PiD": {"lq_latent": "lq_latent", "degrade_sigma": "zero_sigma"},
     "SeedVR2": {"condition": "seedvr_condition"},
     "WAN21_HuMo": {"audio_embed": "humo_audio"}, "WAN22_S2V": {"audio_embed": "s2v_audio"},
+    "MiniMaxH3": {"minimax_token_tags": "int_mask"},  # its text encoder's per-token modality tags (1: text)
 }
 # Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
 # channels (1 frame) that the format's process_in packs into 64 (the start frame repeated).
@@ -320,7 +327,10 @@ EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
 # Packed LATENTs (ComfyUI's NestedTensor): class -> the part shapes a latent node joins. LTX-2: a video
 # (1, 128, frames, h, w) and an audio latent (1, 8, frames, 16) joined by LTXVConcatAVLatent.
-PACKED: dict[str, tuple[tuple[int, ...], ...]] = {"LTXAV": ((1, 128, 2, 2, 2), (1, 8, 4, 16))}
+# MiniMax H3: a video (1, 24, frames, h, w) and a stereo audio latent (1, 32, 2, frames), time last, as
+# EmptyMiniMaxH3LatentAV shapes them for 5 video frames of 64 px.
+PACKED: dict[str, tuple[tuple[int, ...], ...]] = {"LTXAV": ((1, 128, 2, 2, 2), (1, 8, 4, 16)),
+                                                  "MiniMaxH3": ((1, 24, 2, 4, 4), (1, 32, 2, 8))}
 # Image side in pixels (32 unless the family needs more: PixArt's position embedding needs 512; HiDream O1's
 # 32-pixel patches: 512 gives 2 x 2 patches, the latent side being size / 8).
 PIXELS: dict[str, int] = {"PixArtAlpha": 512, "PixArtSigma": 512, "ChromaRadiance": 128, "PixelDiTT2I": 128, "PiD": 128,
@@ -391,6 +401,10 @@ def build(name: str, seed: int = 0):
         for buf_name, buf in model.diffusion_model.named_buffers():
             if buf_name.endswith("pos_embed"):  # a buffer ComfyUI loads from the file (SD3): torch.empty here
                 buf.copy_(0.02 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)))
+        if name == "MiniMaxH3":  # its rotary frequencies, another buffer ComfyUI loads from the file
+            import minimax_h3_tiny
+
+            minimax_h3_tiny.fill_buffers(model.diffusion_model)
     device = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)
 

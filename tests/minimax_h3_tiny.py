@@ -10,9 +10,8 @@ encoder gives (``minimax_token_tags``: 1 for text tokens).
 ``build(seed)`` returns a ModelPatcher with seeded fp32 weights (64 wide, 2 blocks, 1 refiner block, head_dim 32 of
 which 24 are rotated); ``latent(model, seed)`` a packed latent of 2 video frames of 4 x 4 (64 px) and the 8 audio
 frames EmptyMiniMaxH3LatentAV gives 5 video frames; ``conditioning(seed)`` a text-only prompt of 8 tokens.
-tests/families.py gives the same values with TINY here, CONTEXT (TEXT_DIM, None), EXTRAS {"minimax_token_tags":
-"int_mask"}, PACKED (VIDEO, AUDIO) and ``fill_buffers`` after its ``_fill`` (checked: the family row
-"generic | 6 | 12 | 14 | 22 | none | 4/4 | yes (15.3 -> 10.3)").
+Its tiny config, text width and latent shapes are tests/families.py's MiniMaxH3 entries (TINY, CONTEXT, EXTRAS,
+PACKED), where it is a row of the family table; ``families.build`` fills its rotary buffer with ``fill_buffers``.
 """
 from __future__ import annotations
 
@@ -21,12 +20,10 @@ import torch
 import families
 
 NAME = "MiniMaxH3"
-TEXT_DIM, TOKENS = 48, 8
-TINY = {"hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 1, "num_attention_heads": 2,
-        "attention_head_dim": 32, "ffn_hidden_size": 128, "text_dim": TEXT_DIM, "timestep_input_dim": 32,
-        "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4}
+TEXT_DIM, TOKENS = families.CONTEXT[NAME][0], 8
+TINY = families.TINY[NAME]  # 64 wide, 2 blocks, 1 refiner block, 2 heads of 32
 # video (1, 24, latent frames, h, w) and audio (1, 32, 2, frames), as EmptyMiniMaxH3LatentAV(64, 64, 5) shapes them
-VIDEO, AUDIO = (1, 24, 2, 4, 4), (1, 32, 2, 8)
+VIDEO, AUDIO = families.PACKED[NAME]
 
 
 def available() -> str | None:

@@ -51,6 +51,9 @@ class ReferenceAttention:
     def __call__(self, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
         self.calls += 1
+        # MiniMax H3 hands its q / k / v over in ComfyUI 0.33's AttentionTensorContainer (the caller gives up
+        # its reference, so attention can free the tensor early): the tensors themselves are inside
+        q, k, v = (t.take() if hasattr(t, "take") and not isinstance(t, torch.Tensor) else t for t in (q, k, v))
         if skip_reshape:
             layout = "bhld"
         else:
