@@ -57,7 +57,7 @@ LOSS_WEIGHTINGS: dict[str, str] = {
 
 TARGETS: dict[str, str] = {
     "auto": "velocity for flow-matching models (Flux, Cosmos/Anima, SD3), noise for eps/v models",
-    "velocity": "v = noise - x0 (rectified flow)",
+    "velocity": "v = noise - x0 (rectified flow; s * noise - x0 where the model scales its noise by s, HiDream O1: 8)",
     "noise": "eps = noise",
 }
 
