@@ -89,6 +89,21 @@ TINY: dict[str, dict] = {
     "CogVideoX_I2V": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
                       "time_embed_dim": 32, "sample_width": 8, "sample_height": 8, "sample_frames": 1,
                       "max_text_seq_length": 8, "in_channels": 32},
+    # Cosmos 1.0 (Cosmos-1.0-Diffusion 7B / 14B; not Cosmos-Predict2, the pack's own tiny model): GeneralDIT, an EDM
+    # model, with detection's layout (THWBD blocks, rope3d, learnable extra position embeddings, AdaLN-LoRA) at
+    # 2 heads of 32; I2V adds the inverted frame mask as a 17th input channel
+    "CosmosT2V": {"max_img_h": 240, "max_img_w": 240, "max_frames": 128, "in_channels": 16, "out_channels": 16,
+                  "patch_spatial": 2, "patch_temporal": 1, "model_channels": 64, "block_config": "FA-CA-MLP",
+                  "concat_padding_mask": True, "pos_emb_cls": "rope3d", "pos_emb_learnable": False,
+                  "pos_emb_interpolation": "crop", "block_x_format": "THWBD", "affline_emb_norm": True,
+                  "use_adaln_lora": True, "adaln_lora_dim": 16, "num_blocks": 2, "num_heads": 2,
+                  "extra_per_block_abs_pos_emb": True, "extra_per_block_abs_pos_emb_type": "learnable",
+                  "crossattn_emb_channels": 64},
+    # CogVideoX inpainting (CogVideoX-Fun): the I2V blocks on 48 input channels, the noisy latent and a 32-channel
+    # concat condition (the masked video's latent and its mask)
+    "CogVideoX_Inpaint": {"num_attention_heads": 2, "attention_head_dim": 48, "text_embed_dim": 64, "num_layers": 2,
+                          "time_embed_dim": 32, "sample_width": 8, "sample_height": 8, "sample_frames": 1,
+                          "max_text_seq_length": 8, "in_channels": 48},
     "Kandinsky5": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
                    "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12)},
     "Kandinsky5Image": {"model_dim": 64, "ff_dim": 128, "in_text_dim": 64, "in_text_dim2": 32, "time_dim": 32,
@@ -249,6 +264,7 @@ TINY: dict[str, dict] = {
                   "attention_head_dim": 32, "ffn_hidden_size": 128, "text_dim": 48, "timestep_input_dim": 32,
                   "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4},
 }
+TINY["CosmosI2V"] = {**TINY["CosmosT2V"], "in_channels": 17}
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
 NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
                                             "HunyuanVideo15": ("meanflow_sum",),
@@ -308,6 +324,7 @@ EXTRAS: dict[str, dict[str, str]] = {
                      "concat_mask": "start_mask", "pose_video_latent": "pose_latent"},
     "HunyuanDiT1": {"attention_mask": "mask", "conditioning_mt5xl": "text", "attention_mask_mt5xl": "mask"},
     "CogVideoX_I2V": {"concat_latent_image": "start_latent"},
+    "CogVideoX_Inpaint": {"concat_latent_image": "control_latent"},
     "WAN21_SCAIL": {"reference_latents": "reference"}, "WAN21_SCAIL2": {"reference_latents": "reference"},
     "WAN22_WanDancer": {"clip_vision_output": "clip_vision", "clip_vision_output_ref": "clip_vision",
                         "concat_latent_image": "start_latent", "concat_mask": "start_mask",
