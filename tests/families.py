@@ -12,9 +12,19 @@ from __future__ import annotations
 
 import math
 import sys
+import contextlib
 from contextlib import contextmanager
 
 import torch
+
+# The UNets' tiny layout (2 levels of 32 / 64 channels, one res block each), what detection gives at this size.
+_UNET = {"use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_channels": 4, "legacy": False,
+         "use_spatial_transformer": True, "model_channels": 32, "num_res_blocks": [1, 1], "channel_mult": [1, 2],
+         "context_dim": 64}
+_SD15 = {**_UNET, "transformer_depth": [1, 1], "transformer_depth_middle": 1, "transformer_depth_output": [1, 1, 1, 1],
+         "num_heads": 2, "num_head_channels": -1}
+_SD2 = {**_UNET, "transformer_depth": [1, 1], "transformer_depth_middle": 1, "num_heads": -1, "num_head_channels": 16}
+_XL = {**_UNET, "num_classes": "sequential", "transformer_depth": [0, 1], "num_head_channels": 16}
 
 # supported_models class -> unet_config additions (tiny widths; the class's own match keys are kept).
 TINY: dict[str, dict] = {
@@ -141,6 +151,24 @@ TINY: dict[str, dict] = {
              "num_res_blocks": [1, 1], "channel_mult": [1, 2], "transformer_depth": [0, 1],
              "transformer_depth_middle": 1, "transformer_depth_output": [0, 0, 1, 1], "context_dim": 64,
              "num_head_channels": 16},
+    # The UNet variants (#25): SD15's / SDXL's tiny layout with what sets each class apart at its released size
+    # (model_detection's configs): v-prediction and linear projections (SD 2.x), an adm vector (unCLIP's noisy
+    # CLIP image embedding and noise level, the refiner's aesthetic score), no middle transformer or uneven
+    # output depths (SSD-1B, Vega, KOALA), concatenated input channels (instruct-pix2pix, the x4 upscaler, Zero123).
+    "SD20": {**_SD2, "transformer_depth_output": [1, 1, 1, 1]},
+    "SD21UnclipL": {**_SD2, "num_classes": "sequential", "transformer_depth_output": [1, 1, 1, 1]},
+    "SD21UnclipH": {**_SD2, "num_classes": "sequential", "transformer_depth_output": [1, 1, 1, 1]},
+    "SDXLRefiner": {**_XL, "transformer_depth_middle": 1, "transformer_depth_output": [0, 0, 1, 1]},
+    "SSD1B": {**_XL, "transformer_depth_middle": -1, "transformer_depth_output": [0, 0, 2, 1]},
+    "Segmind_Vega": {**_XL, "transformer_depth_middle": -1, "transformer_depth_output": [0, 0, 1, 1]},
+    "KOALA_700M": {**_XL, "transformer_depth_middle": -2, "transformer_depth_output": [0, 0, 1, 1]},
+    "KOALA_1B": {**_XL, "transformer_depth_middle": 1, "transformer_depth_output": [0, 0, 1, 1]},
+    "SD15_instructpix2pix": {**_SD15, "in_channels": 8},
+    "SDXL_instructpix2pix": {**_XL, "in_channels": 8, "transformer_depth_middle": 1,
+                             "transformer_depth_output": [0, 0, 1, 1]},
+    "SD_X4Upscaler": {**_SD2, "in_channels": 7, "num_classes": 1000, "disable_self_attentions": [True, False],
+                      "num_heads": 2, "num_head_channels": -1, "transformer_depth_output": [1, 1, 1, 1]},
+    "Stable_Zero123": {**_SD15, "in_channels": 8},
     # Chroma: Flux's blocks without the per-block modulation; the approximator's out_dim is the width
     "Chroma": {"in_channels": 64, "out_channels": 64, "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
                "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000,
@@ -274,6 +302,9 @@ NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim
                                             "HunyuanImage21Refiner": ("meanflow_sum",),
                                             "ChromaRadiance": ("txt_ids_dims", "vec_in_dim", "use_x0",
                                                                "use_sequential_txt_ids")}
+# SD 2.x classes whose released weights model_type detects as v-prediction (SD 2.0 / 2.1 768-v, unCLIP): build
+# hands get_model the norm bias it probes (state_dict), so the tiny model is the v-prediction model.
+V_PREDICTION_PROBE: tuple[str, ...] = ("SD20", "SD21UnclipL", "SD21UnclipH")
 # Text width each family's conditioning carries, and its pooled width (None: no pooled output).
 CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
@@ -282,7 +313,12 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "Stable_Cascade_B": (64, 64), "LongCatImage": (3584, None), "SeedVR2": (5120, None),
     "LTXAV": (128, None),  # the video and the audio text connector's outputs, caption_channels (64) each
     "MiniMaxH3": (48, None),  # Qwen3-VL's hidden states at the tiny text_dim (projected and refined in the model)
+    "SDXLRefiner": (64, 1280), "SSD1B": (64, 1280), "Segmind_Vega": (64, 1280), "KOALA_700M": (64, 1280),
+    "KOALA_1B": (64, 1280), "SDXL_instructpix2pix": (64, 1280),
+    "Stable_Zero123": (68, None),  # StableZero123_Conditioning: the CLIP image embedding + 4 camera values, 1 token
 }
+# Tokens of the text condition where the family's node gives a fixed number (Zero123: one image token).
+TOKENS: dict[str, int] = {"Stable_Zero123": 1}
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
 #   like the context; "layers": (1, 2, tokens, 64), a text encoder's hidden states of every layer (HiDream's
@@ -333,6 +369,11 @@ EXTRAS: dict[str, dict[str, str]] = {
     "SeedVR2": {"condition": "seedvr_condition"},
     "WAN21_HuMo": {"audio_embed": "humo_audio"}, "WAN22_S2V": {"audio_embed": "s2v_audio"},
     "MiniMaxH3": {"minimax_token_tags": "int_mask"},  # its text encoder's per-token modality tags (1: text)
+    "SD21UnclipL": {"unclip_conditioning": "unclip_768"}, "SD21UnclipH": {"unclip_conditioning": "unclip_1024"},
+    "SD15_instructpix2pix": {"concat_latent_image": "image_latent"},
+    "SDXL_instructpix2pix": {"concat_latent_image": "image_latent"},
+    "Stable_Zero123": {"concat_latent_image": "image_latent"},
+    "SD_X4Upscaler": {"concat_image": "x4_pixels", "noise_augmentation": "x4_noise"},
 }
 # Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
 # channels (1 frame) that the format's process_in packs into 64 (the start frame repeated).
@@ -399,6 +440,18 @@ def available(name: str) -> str | None:
     return None if hasattr(sm, name) else f"ComfyUI here has no supported model {name}"
 
 
+def state_dict(name: str, seed: int = 0) -> dict:
+    """What ``get_model`` reads from the file besides the diffusion model's weights (STATE)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    if name == "Stable_Zero123":  # its cc_projection (CLIP image embedding + 4 camera values -> context width)
+        width = CONTEXT[name][0]
+        return {"cc_projection.weight": torch.randn((width - 4, width), generator=gen) / math.sqrt(width),
+                "cc_projection.bias": 0.02 * torch.randn((width - 4,), generator=gen)}
+    if name in V_PREDICTION_PROBE:  # SD 2.x 768-v: model_type reads this norm bias's spread (> 0.09: v)
+        return {"output_blocks.11.1.transformer_blocks.0.norm1.bias": torch.randn((64,), generator=gen)}
+    return {}
+
+
 def build(name: str, seed: int = 0):
     """A ModelPatcher around ComfyUI's own model class ``name`` at the tiny config, fp32, CPU."""
     import comfy.model_patcher
@@ -413,7 +466,10 @@ def build(name: str, seed: int = 0):
     config.unet_config.update(tiny)  # over the class's unet_extra_config (released sizes)
     config.set_inference_dtype(torch.float32, None)
     with torch.inference_mode(False):
-        model = config.get_model({}, "")
+        # ComfyUI loads under inference mode; 0.3.75's Stable_Zero123 copies its cc_projection into a parameter
+        # in place, which needs no_grad outside it
+        with torch.no_grad() if name == "Stable_Zero123" else contextlib.nullcontext():
+            model = config.get_model(state_dict(name, seed), "")
         _fill(model.diffusion_model, seed)
         for buf_name, buf in model.diffusion_model.named_buffers():
             if buf_name.endswith("pos_embed"):  # a buffer ComfyUI loads from the file (SD3): torch.empty here
@@ -477,6 +533,7 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = Fal
     if name in TOKEN_IDS:
         return token_conditioning(TOKEN_IDS[name])
     width, pooled = context_width(name)
+    tokens = TOKENS.get(name, tokens)
     gen = torch.Generator().manual_seed(seed + 1)
     extra = {"pooled_output": torch.randn((1, pooled), generator=gen)} if pooled else {}
     for key, kind in EXTRAS.get(name, {}).items():
@@ -525,6 +582,18 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = Fal
             extra[key] = torch.tensor([0.0])
         elif kind == "seedvr_condition":  # SeedVR2Conditioning: the degraded video's latent and a ones mask channel
             extra[key] = torch.cat((torch.randn((1, 16, 1, 4, 4), generator=gen), torch.ones((1, 1, 1, 4, 4))), dim=1)
+        elif kind in ("unclip_768", "unclip_1024"):  # unCLIPConditioning: a CLIP vision output's image embedding
+            import comfy.clip_vision
+
+            embeds = comfy.clip_vision.Output()
+            embeds["image_embeds"] = torch.randn((1, int(kind[7:])), generator=gen)
+            extra[key] = [{"clip_vision_output": embeds, "strength": 1.0, "noise_augmentation": 0.0}]
+        elif kind == "image_latent":  # InstructPixToPixConditioning / StableZero123_Conditioning: the image's latent
+            extra[key] = torch.randn((1, 4, 4, 4), generator=gen)
+        elif kind == "x4_pixels":  # SD_4XUpscale_Conditioning: the low-resolution image in [-1, 1], latent-sized
+            extra[key] = torch.rand((1, 3, 4, 4), generator=gen) * 2 - 1
+        elif kind == "x4_noise":  # SD_4XUpscale_Conditioning's noise_augmentation; the node's default is 0
+            extra[key] = 0.2
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, FRAMES.get(name, 1), 4, 4))
         elif kind == "none":

@@ -223,3 +223,17 @@ def test_tiny_unet_gains_are_near_one_so_its_output_is_not_damped(pack_module, n
         x_t = x0 + sigma * noise
         eps = (x_t - model.model.apply_model(x_t, torch.tensor([sigma]), c_crossattn=cond[0][0], **extra)) / sigma
     assert eps.std() > 0.2, f"{name}: eps prediction std {eps.std():.3f}"
+
+
+@pytest.mark.parametrize("name,kind", [("SD20", "V_PREDICTION"), ("SD21UnclipL", "V_PREDICTION"),
+                                       ("SD21UnclipH", "V_PREDICTION"), ("SD_X4Upscaler", "V_PREDICTION"),
+                                       ("SD15_instructpix2pix", "EPS"), ("SDXLRefiner", "EPS")])
+def test_unet_variants_predict_what_their_released_files_are_detected_as(name, kind):
+    """SD 2.x's model_type reads a norm bias of the file (768-v and unCLIP files: v-prediction); the builder hands
+    it that probe, so the SD20 / unCLIP rows train the v-prediction model ComfyUI loads, not an eps one (#25)."""
+    import comfy.model_sampling as cms
+
+    sampling = families.build(name).model.model_sampling
+    assert isinstance(sampling, getattr(cms, kind))
+    if kind == "EPS":
+        assert not isinstance(sampling, cms.V_PREDICTION)
