@@ -51,8 +51,11 @@ _COSMOS_MLP = (r"blocks\.\d+\.mlp\.layer[12]",)
 _COGVIDEOX_ATTN = (r"blocks\.\d+\.(q|k|v|attn_out)",)
 _COGVIDEOX_MLP = (r"blocks\.\d+\.(ff_proj|ff_out)",)
 _UNET_BLOCK = r"(input_blocks\.\d+|middle_block|output_blocks\.\d+)\.\d+\."
-_UNET_ATTN = (_UNET_BLOCK + r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",)
-_UNET_MLP = (_UNET_BLOCK + r"transformer_blocks\.\d+\.ff\.net\..+",)
+# A spatial transformer's blocks, and the video UNet's (SVD / SV3D) temporal ones after them (time_stack.N:
+# self- and cross-attention over frames, a feed-forward and the ff_in mix layer).
+_UNET_TRANSFORMER = r"(transformer_blocks|time_stack)\.\d+\."
+_UNET_ATTN = (_UNET_BLOCK + _UNET_TRANSFORMER + r"attn[12]\.(to_q|to_k|to_v|to_out\.0)",)
+_UNET_MLP = (_UNET_BLOCK + _UNET_TRANSFORMER + r"ff(_in)?\.net\..+",)
 # Stable Cascade stage B (the decoder: stage C's latent -> the VAE's 4-channel latent) has attention only at its
 # two deepest levels (AttnBlock: attention.attn.to_q / to_k / to_v / out_proj, kv_mapper); the levels above are
 # ResBlocks whose only Linears are the channelwise MLP (channelwise.0 in, channelwise.4 out). Family rule: its
@@ -74,7 +77,7 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "cogvideox": {"attention": _COGVIDEOX_ATTN, "attention_mlp": _COGVIDEOX_ATTN + _COGVIDEOX_MLP, "all": (r".+",),
                   "community": (r"blocks\.\d+\..+",), "none": ()},
     "sd_unet": {"attention": _UNET_ATTN, "attention_mlp": _UNET_ATTN + _UNET_MLP, "all": (r".+",),
-                "community": (_UNET_BLOCK + r"(transformer_blocks\.\d+\..+|proj_in|proj_out)",), "none": ()},
+                "community": (_UNET_BLOCK + r"(" + _UNET_TRANSFORMER + r".+|proj_in|proj_out)",), "none": ()},
     "stable_cascade_b": {"attention": _ANY_ATTN + _CASCADE_B_CHANNELWISE,
                          "attention_mlp": _ANY_ATTN + _CASCADE_B_CHANNELWISE + _ANY_MLP, "all": (r".+",),
                          "community": _BLOCK_LINEARS, "none": ()},
