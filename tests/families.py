@@ -24,6 +24,10 @@ _UNET = {"use_checkpoint": False, "image_size": 32, "in_channels": 4, "out_chann
 _SD15 = {**_UNET, "transformer_depth": [1, 1], "transformer_depth_middle": 1, "transformer_depth_output": [1, 1, 1, 1],
          "num_heads": 2, "num_head_channels": -1}
 _SD2 = {**_UNET, "transformer_depth": [1, 1], "transformer_depth_middle": 1, "num_heads": -1, "num_head_channels": 16}
+_SVD = {**_SD2, "in_channels": 8, "num_classes": "sequential", "transformer_depth_output": [1, 1, 1, 1],
+        "extra_ff_mix_layer": True, "use_spatial_context": True, "merge_strategy": "learned_with_images",
+        "merge_factor": 0.0, "video_kernel_size": [3, 1, 1], "use_temporal_resblock": True,
+        "use_temporal_attention": True, "disable_temporal_crossattention": False}
 _XL = {**_UNET, "num_classes": "sequential", "transformer_depth": [0, 1], "num_head_channels": 16}
 
 # supported_models class -> unet_config additions (tiny widths; the class's own match keys are kept).
@@ -169,6 +173,11 @@ TINY: dict[str, dict] = {
     "SD_X4Upscaler": {**_SD2, "in_channels": 7, "num_classes": 1000, "disable_self_attentions": [True, False],
                       "num_heads": 2, "num_head_channels": -1, "transformer_depth_output": [1, 1, 1, 1]},
     "Stable_Zero123": {**_SD15, "in_channels": 8},
+    # Stable Video Diffusion / SV3D: the video UNet (a temporal res block after every res block, a temporal
+    # transformer with self- and cross-attention after every spatial one, learned merges), as detection sets it
+    "SVD_img2vid": {**_SVD, "adm_in_channels": 768},
+    "SV3D_u": {**_SVD, "adm_in_channels": 256},
+    "SV3D_p": {**_SVD, "adm_in_channels": 1280},
     # Chroma: Flux's blocks without the per-block modulation; the approximator's out_dim is the width
     "Chroma": {"in_channels": 64, "out_channels": 64, "context_in_dim": 64, "hidden_size": 64, "mlp_ratio": 4.0,
                "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000,
@@ -318,7 +327,8 @@ CONTEXT: dict[str, tuple[int, int | None]] = {
     "Stable_Zero123": (68, None),  # StableZero123_Conditioning: the CLIP image embedding + 4 camera values, 1 token
 }
 # Tokens of the text condition where the family's node gives a fixed number (Zero123: one image token).
-TOKENS: dict[str, int] = {"Stable_Zero123": 1}
+# SVD / SV3D: the CLIP image embedding, one token (their nodes' `pooled`).
+TOKENS: dict[str, int] = {"Stable_Zero123": 1, "SVD_img2vid": 1, "SV3D_u": 1, "SV3D_p": 1}
 # Conditioning entries besides the text (what the family's text encoder or conditioning node adds), key -> kind:
 # - "mask": (1, tokens) of ones ("int_mask": int64, as ComfyUI's tokenizers give it); "text": (1, tokens, 64)
 #   like the context; "layers": (1, 2, tokens, 64), a text encoder's hidden states of every layer (HiDream's
@@ -374,6 +384,11 @@ EXTRAS: dict[str, dict[str, str]] = {
     "SDXL_instructpix2pix": {"concat_latent_image": "image_latent"},
     "Stable_Zero123": {"concat_latent_image": "image_latent"},
     "SD_X4Upscaler": {"concat_image": "x4_pixels", "noise_augmentation": "x4_noise"},
+    # SVD_img2vid_Conditioning's defaults; SV3D_Conditioning's per-frame elevation / azimuth lists
+    "SVD_img2vid": {"concat_latent_image": "image_latent", "motion_bucket_id": "svd_motion", "fps": "svd_fps",
+                    "augmentation_level": "zero"},
+    "SV3D_u": {"concat_latent_image": "image_latent", "elevation": "sv3d_angles", "azimuth": "sv3d_angles"},
+    "SV3D_p": {"concat_latent_image": "image_latent", "elevation": "sv3d_angles", "azimuth": "sv3d_angles"},
 }
 # Latent channels where the VAE's differ from the latent format's: HunyuanImage 2.1's refiner VAE gives 32
 # channels (1 frame) that the format's process_in packs into 64 (the start frame repeated).
@@ -594,6 +609,14 @@ def conditioning(name: str, seed: int = 0, tokens: int = 8, training: bool = Fal
             extra[key] = torch.rand((1, 3, 4, 4), generator=gen) * 2 - 1
         elif kind == "x4_noise":  # SD_4XUpscale_Conditioning's noise_augmentation; the node's default is 0
             extra[key] = 0.2
+        elif kind == "svd_motion":
+            extra[key] = 127
+        elif kind == "svd_fps":
+            extra[key] = 6
+        elif kind == "zero":
+            extra[key] = 0.0
+        elif kind == "sv3d_angles":  # one frame: elevation 0 (the node's default), azimuth 0 (the first view)
+            extra[key] = [0.0]
         elif kind == "start_mask":
             extra[key] = torch.zeros((1, 1, FRAMES.get(name, 1), 4, 4))
         elif kind == "none":
