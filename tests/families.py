@@ -448,6 +448,13 @@ def _fill(module: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
 
 
+# Classes built like the rows but not in the table: LotusD (depth / normal estimation, x0-prediction from the
+# image latent; Train LoRA refuses it by name, tests/comfy/test_families.py checks the refusal and the scale).
+UNTRAINED: dict[str, dict] = {
+    "LotusD": {**_SD2, "adm_in_channels": 4, "num_classes": "sequential", "transformer_depth_output": [1, 1, 1, 1]},
+}
+
+
 def available(name: str) -> str | None:
     """Why this ComfyUI cannot build ``name`` (it has no such class), or None."""
     import comfy.supported_models as sm
@@ -476,7 +483,7 @@ def build(name: str, seed: int = 0):
 
     cls = getattr(sm, name)
     older = comfyui_version.__version__.startswith("0.3.")
-    tiny = {k: v for k, v in TINY[name].items() if not (older and k in NEWER_KEYS.get(name, ()))}
+    tiny = {k: v for k, v in {**TINY, **UNTRAINED}[name].items() if not (older and k in NEWER_KEYS.get(name, ()))}
     config = cls({**cls.unet_config, **tiny})
     config.unet_config.update(tiny)  # over the class's unet_extra_config (released sizes)
     config.set_inference_dtype(torch.float32, None)

@@ -237,3 +237,16 @@ def test_unet_variants_predict_what_their_released_files_are_detected_as(name, k
     assert isinstance(sampling, getattr(cms, kind))
     if kind == "EPS":
         assert not isinstance(sampling, cms.V_PREDICTION)
+
+
+def test_lotus_is_refused_by_train_lora_by_name_and_the_scale_reaches_its_attention(pack_module):
+    """LotusD (ComfyUI's depth / normal estimator on SD 2's UNet) predicts the depth latent from the image latent
+    in one step (IMG_TO_IMG: x0-prediction, no noise in its input): not a denoising objective Train LoRA fits. It
+    is no table row; its attention still takes the patched scale, and training it fails by name (#25)."""
+    reason = families.available("LotusD")
+    if reason is not None:
+        pytest.skip(reason)
+    model = families.build("LotusD")
+    assert _scale_reach(pack_module, model, "LotusD") == "14/14"
+    with pytest.raises(ValueError, match=r"PrecisionTrainLoRA: x0-prediction models are not supported for training"):
+        _memorise(pack_module, model, "LotusD", steps=1)
