@@ -398,6 +398,11 @@ LATENT_CHANNELS: dict[str, int] = {"HunyuanImage21Refiner": 32}
 EMPTY_LATENT: tuple[str, ...] = ("HunyuanImage21Refiner",)
 # Latent frames where one is not enough (Wan Animate 2: frame 0 is the reference image's slot).
 FRAMES: dict[str, int] = {"WAN_Animate2": 2}
+# The video UNet's latent holds its frames in the batch (SVD_img2vid_Conditioning's latent: frames x 4 x h x w;
+# num_video_frames is the batch). The scale checks (denoise) run 2 frames, so the temporal attention mixes
+# frames (over one frame its softmax is 1 whatever the scale); the memorisation check trains one frame, as Train
+# LoRA splits a LATENT's batch into samples. SV3D's azimuths for 2 frames are 0 and 360: the [0.0] given, repeated.
+VIDEO_BATCH: dict[str, int] = {"SVD_img2vid": 2, "SV3D_u": 2, "SV3D_p": 2}
 # Packed LATENTs (ComfyUI's NestedTensor): class -> the part shapes a latent node joins. LTX-2: a video
 # (1, 128, frames, h, w) and an audio latent (1, 8, frames, 16) joined by LTXVConcatAVLatent.
 # MiniMax H3: a video (1, 24, frames, h, w) and a stereo audio latent (1, 32, 2, frames), time last, as
@@ -528,6 +533,8 @@ def latent(model, seed: int = 0, frames: int = 1, size: int = 32) -> torch.Tenso
     spatial = (size // 8, size // 8)
     channels = LATENT_CHANNELS.get(type(fmt).__name__, fmt.latent_channels)
     shape = (1, channels, frames, *spatial) if fmt.latent_dimensions == 3 else (1, channels, *spatial)
+    if name in VIDEO_BATCH:  # frames in the batch
+        shape = (frames, channels, *spatial)
     return torch.randn(shape, generator=gen)
 
 
@@ -645,7 +652,7 @@ def denoise(model, name: str, seed: int = 0) -> torch.Tensor:
     if clear is not None:
         clear()
 
-    x = latent(model, seed, frames=FRAMES.get(name, 1), size=PIXELS.get(name, 32))
+    x = latent(model, seed, frames=VIDEO_BATCH.get(name, FRAMES.get(name, 1)), size=PIXELS.get(name, 32))
     if name in EMPTY_LATENT:
         x = comfy.sample.fix_empty_latent_channels(model, torch.zeros_like(x))
     cond = conditioning(name, seed)
