@@ -184,37 +184,17 @@ def swap_names(prompt: dict, lora_name: str | None = None, size: int = 64) -> tu
     """The API prompt of a shipped klein workflow with this module's files picked; returns it and the edits
     made (what a user does in the page). Every name edit checks the shipped value first. Not names (CPU time
     only): the bucket resolution and the empty latent / scheduler size become ``size`` (the test images)."""
-    out, edits = copy.deepcopy(prompt), []
-    for nid, node in out.items():
-        inputs, kind = node["inputs"], node["class_type"]
-        if kind == "UNETLoader":
-            assert (inputs["unet_name"], inputs["weight_dtype"]) == (SHIPPED["model"], "default"), inputs
-            inputs["unet_name"] = KLEIN_NAME
-            edits.append(f"{nid}.unet_name")
-        elif kind == "CLIPLoader":
-            assert (inputs["clip_name"], inputs["type"]) == (SHIPPED["text_encoder"], "flux2"), inputs
-            inputs["clip_name"] = TEXT_ENCODER_NAME
-            edits.append(f"{nid}.clip_name")
-        elif kind == "VAELoader":
-            assert inputs["vae_name"] == SHIPPED["vae"], inputs
-            inputs["vae_name"] = VAE_NAME
-            edits.append(f"{nid}.vae_name")
-        elif kind == "LoadImageTextDataSetFromFolder":
-            assert inputs["folder"] == SHIPPED["dataset"], inputs
-            inputs["folder"] = DATASET
-            edits.append(f"{nid}.folder")
-        elif kind == "PrecisionLoadLoRA" and lora_name is not None:
-            inputs["lora_name"] = lora_name
-            edits.append(f"{nid}.lora_name")
-        elif kind == "PrecisionResolutionBuckets":
-            assert inputs["resolution"] == 1024, inputs
-            inputs["resolution"] = size
-            edits.append(f"{nid}.resolution")
-        elif kind in ("EmptyFlux2LatentImage", "Flux2Scheduler"):
-            assert (inputs["width"], inputs["height"]) == (1024, 1024), inputs
-            inputs["width"] = inputs["height"] = size
-            edits.append(f"{nid}.width/height")
-    return out, edits
+    from real_workflow_lib import pick_names
+
+    picks = {("UNETLoader", "unet_name"): (SHIPPED["model"], KLEIN_NAME), ("UNETLoader", "weight_dtype"): ("default",) * 2,
+             ("CLIPLoader", "clip_name"): (SHIPPED["text_encoder"], TEXT_ENCODER_NAME),
+             ("CLIPLoader", "type"): ("flux2",) * 2, ("VAELoader", "vae_name"): (SHIPPED["vae"], VAE_NAME),
+             ("LoadImageTextDataSetFromFolder", "folder"): (SHIPPED["dataset"], DATASET),
+             ("PrecisionResolutionBuckets", "resolution"): (1024,) * 2}
+    square = ("EmptyFlux2LatentImage", "Flux2Scheduler")
+    picks.update({(kind, side): (1024,) * 2 for kind in square for side in ("width", "height")})
+    sizes = {"PrecisionResolutionBuckets": {"resolution": size}, **{k: {"width": size, "height": size} for k in square}}
+    return pick_names(prompt, picks, lora_name=lora_name, sizes=sizes)
 
 
 def files_for(comfy_server) -> str:

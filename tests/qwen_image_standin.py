@@ -238,26 +238,11 @@ def swap_names(prompt: dict, shipped: dict, lora_name: str | None = None) -> tup
     (what a user would do in the page). ``shipped``: {(class_type, input): the name the workflow ships with},
     checked before each edit. Not names (CPU time only): Resolution Buckets' resolution and an empty latent's
     size become 64 px."""
-    import copy
+    from real_workflow_lib import pick_names
 
-    out, edits = copy.deepcopy(prompt), []
-    for nid, node in out.items():
-        kind, inputs = node["class_type"], node["inputs"]
-        for (k, name), value in PICKS.items():
-            if k == kind:
-                assert inputs[name] == shipped[(k, name)], (nid, kind, inputs)
-                inputs[name] = value
-                edits.append(f"{nid}.{name}")
-        if kind == "PrecisionLoadLoRA" and lora_name is not None:
-            inputs["lora_name"] = lora_name
-            edits.append(f"{nid}.lora_name")
-        elif kind == "EmptySD3LatentImage":
-            inputs["width"] = inputs["height"] = 64
-            edits.append(f"{nid}.width/height")
-        elif kind == "PrecisionResolutionBuckets":
-            inputs["resolution"] = 64
-            edits.append(f"{nid}.resolution")
-    return out, edits
+    return pick_names(prompt, {key: (shipped[key], value) for key, value in PICKS.items()}, lora_name=lora_name,
+                      sizes={"EmptySD3LatentImage": {"width": 64, "height": 64},
+                             "PrecisionResolutionBuckets": {"resolution": 64}})
 
 
 def main(argv: list[str]) -> None:

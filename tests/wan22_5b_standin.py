@@ -234,38 +234,15 @@ def swap_names(prompt: dict, lora_name: str | None = None) -> tuple[dict, list[s
     """The API prompt of a shipped Wan 2.2 5B workflow with this module's files picked; returns it and the edits
     made (what a user does in the page). Every name edit checks the shipped value first. Not names (CPU time):
     the bucket resolution (64 px test images) and the video latent (64 x 64, 1 frame)."""
-    import copy
+    from real_workflow_lib import pick_names
 
-    out, edits = copy.deepcopy(prompt), []
-    for nid, node in out.items():
-        inputs, kind = node["inputs"], node["class_type"]
-        if kind == "UNETLoader":
-            assert inputs["unet_name"] == SHIPPED["model"], inputs
-            inputs["unet_name"] = MODEL_NAME
-            edits.append(f"{nid}.unet_name")
-        elif kind == "CLIPLoader":
-            assert (inputs["clip_name"], inputs["type"]) == (SHIPPED["clip"], "wan"), inputs
-            inputs["clip_name"] = CLIP_NAME
-            edits.append(f"{nid}.clip_name")
-        elif kind == "VAELoader":
-            assert inputs["vae_name"] == SHIPPED["vae"], inputs
-            inputs["vae_name"] = VAE_NAME
-            edits.append(f"{nid}.vae_name")
-        elif kind == "LoadImageTextDataSetFromFolder":
-            assert inputs["folder"] == SHIPPED["dataset"], inputs
-            inputs["folder"] = DATASET
-            edits.append(f"{nid}.folder")
-        elif kind == "PrecisionLoadLoRA" and lora_name is not None:
-            inputs["lora_name"] = lora_name
-            edits.append(f"{nid}.lora_name")
-        elif kind == "PrecisionResolutionBuckets":
-            inputs["resolution"] = 64
-            edits.append(f"{nid}.resolution")
-        elif kind == "Wan22ImageToVideoLatent":
-            inputs["width"] = inputs["height"] = 64
-            inputs["length"] = 1
-            edits.append(f"{nid}.width/height/length")
-    return out, edits
+    picks = {("UNETLoader", "unet_name"): (SHIPPED["model"], MODEL_NAME),
+             ("CLIPLoader", "clip_name"): (SHIPPED["clip"], CLIP_NAME), ("CLIPLoader", "type"): ("wan",) * 2,
+             ("VAELoader", "vae_name"): (SHIPPED["vae"], VAE_NAME),
+             ("LoadImageTextDataSetFromFolder", "folder"): (SHIPPED["dataset"], DATASET)}
+    sizes = {"PrecisionResolutionBuckets": {"resolution": 64},
+             "Wan22ImageToVideoLatent": {"width": 64, "height": 64, "length": 1}}
+    return pick_names(prompt, picks, lora_name=lora_name, sizes=sizes)
 
 
 def main(argv: list[str]) -> None:

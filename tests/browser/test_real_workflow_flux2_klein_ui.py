@@ -8,18 +8,11 @@ the sampling steps (2 of 20), the bucket resolution and the latent / scheduler s
 ComfyUI 0.3.75 has no Flux.2 klein: skipped there with the reason read from that ComfyUI's source."""
 from __future__ import annotations
 
-import glob
 import os
 import sys
 
-import numpy as np
 import pytest
-from safetensors import safe_open
-
-from precision_browser import NODE_OVERLAPS, PROMPT_OF_GRAPH, fit_view, normalise_prompt
-from test_real_workflow_sdxl_ui import _drop, _image, _pick
-from test_real_workflow_ui import NUMBER, _api
-from test_training_ui import CHART_STATE, _run_from_page
+from real_workflow_page import api, assert_queues, drop, image, infer_in_page, number, pick, train_in_page
 
 pytestmark = pytest.mark.browser
 
@@ -33,69 +26,35 @@ def klein_files(comfy_server):
     return standin.files_for(comfy_server)
 
 
-def _pick_files(page, ids: dict) -> None:
-    _pick(page, [(ids["UNETLoader"], "unet_name", standin.KLEIN_NAME),
-                 (ids["CLIPLoader"], "clip_name", standin.TEXT_ENCODER_NAME),
-                 (ids["VAELoader"], "vae_name", standin.VAE_NAME)])
+def _files(ids: dict) -> list[tuple]:
+    return [(ids["UNETLoader"], "unet_name", standin.KLEIN_NAME),
+            (ids["CLIPLoader"], "clip_name", standin.TEXT_ENCODER_NAME),
+            (ids["VAELoader"], "vae_name", standin.VAE_NAME)]
 
 
 def test_klein_workflows_run_after_picking_names(comfy_page, comfy_server, klein_files):
     page = comfy_page
     page.console(clear=True)
-    ids = _drop(page, "train_lora_flux2_klein.json")
-    assert page.evaluate(NODE_OVERLAPS)["overlaps"] == []
-    _pick_files(page, ids)
-    _pick(page, [(ids["LoadImageTextDataSetFromFolder"], "folder", standin.DATASET)])
+    ids = drop(page, "train_lora_flux2_klein.json")
+    pick(page, [*_files(ids), (ids["LoadImageTextDataSetFromFolder"], "folder", standin.DATASET)])
     # Not names (time only): 12 of the shipped 1500 steps; buckets of 64 px (the test images) instead of 1024.
-    assert page.evaluate(NUMBER, [ids["PrecisionTrainLoRA"], "steps", 12]) == {"value": 12}
-    assert page.evaluate(NUMBER, [ids["PrecisionResolutionBuckets"], "resolution", 64]) == {"value": 64}
-    want, edits = standin.swap_names(_api("train_lora_flux2_klein.json"))
+    number(page, [(ids["PrecisionTrainLoRA"], "steps", 12), (ids["PrecisionResolutionBuckets"], "resolution", 64)])
+    want, edits = standin.swap_names(api("train_lora_flux2_klein.json"))
     assert len(edits) == 5, edits  # model, text encoder, VAE, folder; resolution
     want[str(ids["PrecisionTrainLoRA"])]["inputs"]["steps"] = 12
-    assert normalise_prompt(page.evaluate(PROMPT_OF_GRAPH)) == normalise_prompt(want)
+    assert_queues(page, want)
+    lora_name, modules = train_in_page(page, comfy_server, ids, files=klein_files, lora_prefix="my_klein_lora",
+                                       steps=12, base_model_version="flux2", shot="real_klein_train_finished")
+    assert len(modules) == standin.ATTENTION_TARGETS, sorted(modules)
 
-    loras = os.path.join(klein_files, "models", "loras", "precision_lora")
-    before = set(glob.glob(os.path.join(loras, "my_klein_lora_*.safetensors")))
-    entry = _run_from_page(page, comfy_server, timeout=900)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    saved = sorted(set(glob.glob(os.path.join(loras, "my_klein_lora_*.safetensors"))) - before)
-    assert len(saved) == 1, saved
-    with safe_open(saved[0], "pt") as f:
-        md = f.metadata()
-        n_modules = sum(k.endswith(".lora_up.weight") for k in f.keys())
-    assert md["ss_steps"] == "12" and md["ss_base_model_version"] == "flux2", md
-    assert n_modules == standin.ATTENTION_TARGETS
-    chart = page.wait_for(f"() => {{ const s = ({CHART_STATE})({ids['PrecisionTrainLoRA']}); "
-                          "return s && s.done ? s : false; }", timeout=60)
-    assert chart["points"] >= 10, chart
-    # Train LoRA has grown by its dataset report and loss chart: still no node over another
-    overlaps = page.evaluate(NODE_OVERLAPS)
-    assert overlaps["overlaps"] == [], overlaps
-    fit_view(page)
-    page.screenshot("real_klein_train_finished")
-
-    lora_name = "precision_lora/" + os.path.basename(saved[0])
-    ids = _drop(page, "inference_flux2_klein.json")
-    assert page.evaluate(NODE_OVERLAPS)["overlaps"] == []
-    _pick_files(page, ids)
-    _pick(page, [(ids["PrecisionLoadLoRA"], "lora_name", lora_name)])
-    for node in ("EmptyFlux2LatentImage", "Flux2Scheduler"):  # not names (time only): 64 of the shipped 1024
-        for side in ("width", "height"):
-            assert page.evaluate(NUMBER, [ids[node], side, 64]) == {"value": 64}
-    assert page.evaluate(NUMBER, [ids["Flux2Scheduler"], "steps", 2]) == {"value": 2}  # 2 of the shipped 20
-    want, edits = standin.swap_names(_api("inference_flux2_klein.json"), lora_name=lora_name)
+    ids = drop(page, "inference_flux2_klein.json")
+    pick(page, [*_files(ids), (ids["PrecisionLoadLoRA"], "lora_name", lora_name)])
+    # not names (time only): 64 of the shipped 1024 px, 2 of the shipped 20 steps
+    number(page, [(ids[node], side, 64) for node in ("EmptyFlux2LatentImage", "Flux2Scheduler")
+                  for side in ("width", "height")] + [(ids["Flux2Scheduler"], "steps", 2)])
+    want, edits = standin.swap_names(api("inference_flux2_klein.json"), lora_name=lora_name)
     assert len(edits) == 6, edits  # model, text encoder, VAE, LoRA; latent and scheduler size
     want[str(ids["Flux2Scheduler"])]["inputs"]["steps"] = 2
-    assert normalise_prompt(page.evaluate(PROMPT_OF_GRAPH)) == normalise_prompt(want)
-    entry = _run_from_page(page, comfy_server, timeout=600)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    with_lora = _image(comfy_server, entry, ids["SaveImage"])
-    assert with_lora.shape == (64, 64, 3) and with_lora.std() > 0
-    fit_view(page)
-    page.screenshot("real_klein_infer_image")
-    # the LoRA is what changes the image: strength 0 in the page gives another one
-    assert page.evaluate(NUMBER, [ids["PrecisionLoadLoRA"], "strength", 0.0]) == {"value": 0.0}
-    entry = _run_from_page(page, comfy_server, timeout=600)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    assert not np.array_equal(_image(comfy_server, entry, ids["SaveImage"]), with_lora)
-    assert page.pack_errors() == []
+    assert_queues(page, want)
+    with_lora = infer_in_page(page, comfy_server, ids, image, ids["SaveImage"], "real_klein_infer_image")
+    assert with_lora.shape == (64, 64, 3)

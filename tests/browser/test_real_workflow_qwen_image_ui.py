@@ -11,19 +11,11 @@ name pick (time on a CPU only): the training steps (12 of the shipped 1000), the
 latent (64 of 1024 and 1328 px), the sampling steps (4 of 20)."""
 from __future__ import annotations
 
-import glob
 import os
-import subprocess
 import sys
 
-import numpy as np
 import pytest
-from safetensors import safe_open
-
-from precision_browser import NODE_OVERLAPS, PROMPT_OF_GRAPH, fit_view, normalise_prompt
-from test_real_workflow_sdxl_ui import _drop, _image, _pick
-from test_real_workflow_ui import NUMBER, _api
-from test_training_ui import CHART_STATE, _run_from_page
+from real_workflow_page import api, assert_queues, drop, image, infer_in_page, number, pick, train_in_page
 
 pytestmark = pytest.mark.browser
 
@@ -32,6 +24,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "workflows"))
 import qwen_image_standin as standin  # noqa: E402
 import spec_qwen_image as spec  # noqa: E402
+from real_workflow_lib import write_files  # noqa: E402
 
 SHIPPED = {("UNETLoader", "unet_name"): spec.MODEL, ("CLIPLoader", "clip_name"): spec.TEXT_ENCODER,
            ("VAELoader", "vae_name"): spec.VAE, ("LoadImageTextDataSetFromFolder", "folder"): spec.DATASET}
@@ -39,12 +32,9 @@ SHIPPED = {("UNETLoader", "unet_name"): spec.MODEL, ("CLIPLoader", "clip_name"):
 
 @pytest.fixture(scope="module")
 def qwen_files(comfy_server):
-    from server_harness import server_env
-
-    if not standin.link_cached(comfy_server.base_dir):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "qwen_image_standin.py"),
-                        comfy_server.base_dir], check=True, env=server_env(), timeout=900)
-    return comfy_server.base_dir
+    if standin.link_cached(comfy_server.base_dir):
+        return comfy_server.base_dir
+    return write_files(comfy_server, "qwen_image_standin.py")
 
 
 def _name_picks(ids: dict) -> list[tuple]:
@@ -54,59 +44,29 @@ def _name_picks(ids: dict) -> list[tuple]:
 def test_qwen_image_workflows_run_after_picking_names(comfy_page, comfy_server, qwen_files):
     page = comfy_page
     page.console(clear=True)
-    ids = _drop(page, "train_lora_qwen_image.json")
-    assert page.evaluate(NODE_OVERLAPS)["overlaps"] == []
+    ids = drop(page, "train_lora_qwen_image.json")
     picks = _name_picks(ids)
     assert len(picks) == 4, picks  # diffusion model, text encoder, VAE, dataset folder
-    _pick(page, picks)
+    pick(page, picks)
     # Not names (time only): 12 of the shipped 1000 steps; buckets of 64 px (the test images) instead of 1024.
-    assert page.evaluate(NUMBER, [ids["PrecisionTrainLoRA"], "steps", 12]) == {"value": 12}
-    assert page.evaluate(NUMBER, [ids["PrecisionResolutionBuckets"], "resolution", 64]) == {"value": 64}
-    want, edits = standin.swap_names(_api("train_lora_qwen_image.json"), SHIPPED)
+    number(page, [(ids["PrecisionTrainLoRA"], "steps", 12), (ids["PrecisionResolutionBuckets"], "resolution", 64)])
+    want, edits = standin.swap_names(api("train_lora_qwen_image.json"), SHIPPED)
     assert len(edits) == 5, edits  # 4 names; resolution
     want[str(ids["PrecisionTrainLoRA"])]["inputs"]["steps"] = 12
-    assert normalise_prompt(page.evaluate(PROMPT_OF_GRAPH)) == normalise_prompt(want)
+    assert_queues(page, want)
+    lora_name, _ = train_in_page(page, comfy_server, ids, files=qwen_files, lora_prefix="my_qwen_image_lora",
+                                 steps=12, base_model_version="qwen_image", shot="real_qwen_image_train_finished")
 
-    loras = os.path.join(qwen_files, "models", "loras", "precision_lora")
-    before = set(glob.glob(os.path.join(loras, "my_qwen_image_lora_*.safetensors")))
-    entry = _run_from_page(page, comfy_server, timeout=900)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    saved = sorted(set(glob.glob(os.path.join(loras, "my_qwen_image_lora_*.safetensors"))) - before)
-    assert len(saved) == 1, saved
-    with safe_open(saved[0], "pt") as f:
-        md = f.metadata()
-    assert md["ss_steps"] == "12" and md["ss_base_model_version"] == "qwen_image", md
-    chart = page.wait_for(f"() => {{ const s = ({CHART_STATE})({ids['PrecisionTrainLoRA']}); "
-                          "return s && s.done ? s : false; }", timeout=60)
-    assert chart["points"] >= 10, chart
-    # Train LoRA has grown by its dataset report and loss chart: still no node over another
-    overlaps = page.evaluate(NODE_OVERLAPS)
-    assert overlaps["overlaps"] == [], overlaps
-    fit_view(page)
-    page.screenshot("real_qwen_image_train_finished")
-
-    lora_name = "precision_lora/" + os.path.basename(saved[0])
-    ids = _drop(page, "inference_qwen_image.json")
-    assert page.evaluate(NODE_OVERLAPS)["overlaps"] == []
+    ids = drop(page, "inference_qwen_image.json")
     picks = _name_picks(ids) + [(ids["PrecisionLoadLoRA"], "lora_name", lora_name)]
     assert len(picks) == 4, picks  # diffusion model, text encoder, VAE, LoRA
-    _pick(page, picks)
-    for side in ("width", "height"):  # not names (time only): 64 of the shipped 1328 px, 4 of the 20 steps
-        assert page.evaluate(NUMBER, [ids["EmptySD3LatentImage"], side, 64]) == {"value": 64}
-    assert page.evaluate(NUMBER, [ids["KSampler"], "steps", 4]) == {"value": 4}
-    want, edits = standin.swap_names(_api("inference_qwen_image.json"), SHIPPED, lora_name=lora_name)
+    pick(page, picks)
+    # not names (time only): 64 of the shipped 1328 px, 4 of the 20 steps
+    number(page, [(ids["EmptySD3LatentImage"], side, 64) for side in ("width", "height")]
+           + [(ids["KSampler"], "steps", 4)])
+    want, edits = standin.swap_names(api("inference_qwen_image.json"), SHIPPED, lora_name=lora_name)
     assert len(edits) == 5, edits  # 4 names; latent size
     want[str(ids["KSampler"])]["inputs"]["steps"] = 4
-    assert normalise_prompt(page.evaluate(PROMPT_OF_GRAPH)) == normalise_prompt(want)
-    entry = _run_from_page(page, comfy_server, timeout=600)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    with_lora = _image(comfy_server, entry, ids["SaveImage"])
-    assert with_lora.shape == (64, 64, 3) and with_lora.std() > 0
-    fit_view(page)
-    page.screenshot("real_qwen_image_infer_image")
-    # the LoRA is what changes the image: strength 0 in the page gives another one
-    assert page.evaluate(NUMBER, [ids["PrecisionLoadLoRA"], "strength", 0.0]) == {"value": 0.0}
-    entry = _run_from_page(page, comfy_server, timeout=600)
-    assert entry["status"]["status_str"] == "success", entry["status"]
-    assert not np.array_equal(_image(comfy_server, entry, ids["SaveImage"]), with_lora)
-    assert page.pack_errors() == []
+    assert_queues(page, want)
+    with_lora = infer_in_page(page, comfy_server, ids, image, ids["SaveImage"], "real_qwen_image_infer_image")
+    assert with_lora.shape == (64, 64, 3)
