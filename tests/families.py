@@ -183,6 +183,16 @@ TINY: dict[str, dict] = {
                "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 10000,
                "patch_size": 2, "qkv_bias": True, "in_dim": 64, "out_dim": 64, "hidden_dim": 128, "n_layers": 2,
                "txt_ids_dims": [], "vec_in_dim": None},
+    # Flux.1 dev / schnell / Fill (inpaint: 16 + 16 masked-image + 64 mask channels) and Flux.2 from their classes at the
+    # widths of the pack's own tiny models (demo/tiny_models.py), which other tests use; here as every row is built
+    "Flux": {"in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 64, "hidden_size": 64,
+             "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 12, 12],
+             "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True, "txt_ids_dims": []},
+    "Flux2": {"in_channels": 128, "out_channels": 128, "vec_in_dim": None, "context_in_dim": 64, "hidden_size": 64,
+              "mlp_ratio": 3.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1, "axes_dim": [8, 8, 8, 8],
+              "theta": 2000, "patch_size": 1, "qkv_bias": False, "ops_bias": False, "global_modulation": True,
+              "mlp_silu_act": True, "default_ref_method": "index", "ref_index_scale": 10.0, "guidance_embed": True,
+              "txt_ids_dims": [3]},
     # Chroma Radiance: Chroma in pixel space, a NeRF-style head decodes each patch (patch 4 here, 16 released)
     "ChromaRadiance": {"in_channels": 3, "out_channels": 3, "context_in_dim": 64, "hidden_size": 64,
                        "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
@@ -302,8 +312,22 @@ TINY: dict[str, dict] = {
                   "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4},
 }
 TINY["CosmosI2V"] = {**TINY["CosmosT2V"], "in_channels": 17}
+TINY["FluxSchnell"] = {**TINY["Flux"], "guidance_embed": False}
+TINY["FluxInpaint"] = {**TINY["Flux"], "in_channels": 96}
+# Cosmos-Predict2 (text-to-image 2B / 14B; image-to-video adds the frame mask channel): MiniTrainDIT with the layout
+# ComfyUI's detection gives, at 2 heads of 32
+TINY["CosmosT2IPredict2"] = {
+    "max_img_h": 240, "max_img_w": 240, "max_frames": 128, "in_channels": 16, "out_channels": 16, "patch_spatial": 2,
+    "patch_temporal": 1, "model_channels": 64, "num_heads": 2, "num_blocks": 2, "concat_padding_mask": True,
+    "crossattn_emb_channels": 64, "pos_emb_cls": "rope3d", "pos_emb_learnable": True, "pos_emb_interpolation": "crop",
+    "min_fps": 1, "max_fps": 30, "use_adaln_lora": True, "adaln_lora_dim": 16, "extra_per_block_abs_pos_emb": False,
+    "rope_h_extrapolation_ratio": 4.0, "rope_w_extrapolation_ratio": 4.0, "rope_t_extrapolation_ratio": 1.0,
+    "rope_enable_fps_modulation": False}
+TINY["CosmosI2VPredict2"] = {**TINY["CosmosT2IPredict2"], "in_channels": 17}
 # unet_config keys ComfyUI 0.33's detection gives that 0.3.75's model classes do not take (left out there).
-NEWER_KEYS: dict[str, tuple[str, ...]] = {"Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
+NEWER_KEYS: dict[str, tuple[str, ...]] = {"Flux": ("txt_ids_dims",), "FluxSchnell": ("txt_ids_dims",),
+                                            "FluxInpaint": ("txt_ids_dims",), "Flux2": ("txt_ids_dims",),
+                                            "Chroma": ("txt_ids_dims", "vec_in_dim"), "HunyuanVideo": ("meanflow_sum",),
                                             "HunyuanVideo15": ("meanflow_sum",),
                                             "HunyuanVideo15_SR_Distilled": ("meanflow_sum",), "HunyuanImage21": ("meanflow_sum",),
                                             "HunyuanVideoI2V": ("meanflow_sum",),
@@ -318,7 +342,8 @@ V_PREDICTION_PROBE: tuple[str, ...] = ("SD20", "SD21UnclipL", "SD21UnclipH")
 CONTEXT: dict[str, tuple[int, int | None]] = {
     "SD3": (64, 32), "SDXL": (64, 1280), "Kandinsky5": (64, 32), "Kandinsky5Image": (64, 32), "Krea2": (128, None),
     "Lens": (256, None), "HunyuanVideo": (64, 32), "HunyuanVideoI2V": (64, 32), "HunyuanVideoSkyreelsI2V": (64, 32),
-    "HiDream": (64, 32), "Stable_Cascade_C": (64, 64),
+    "HiDream": (64, 32), "Stable_Cascade_C": (64, 64), "Flux": (64, 32), "FluxSchnell": (64, 32),
+    "FluxInpaint": (64, 32),
     "Stable_Cascade_B": (64, 64), "LongCatImage": (3584, None), "SeedVR2": (5120, None),
     "LTXAV": (128, None),  # the video and the audio text connector's outputs, caption_channels (64) each
     "MiniMaxH3": (48, None),  # Qwen3-VL's hidden states at the tiny text_dim (projected and refined in the model)
@@ -351,6 +376,7 @@ EXTRAS: dict[str, dict[str, str]] = {
     "LTXV": {"attention_mask": "mask"}, "GenmoMochi": {"attention_mask": "int_mask"},
     "Omnigen2": {"attention_mask": "int_mask"}, "Boogu": {"attention_mask": "int_mask"}, "HiDream": {"conditioning_llama3": "layers"},
     "Chroma": {"pooled_output": "none"}, "ChromaRadiance": {"pooled_output": "none"},
+    "Flux2": {"pooled_output": "none"},  # Mistral / Qwen3 give none; 0.3.75's Flux2 reads the key
     "HunyuanVideo15": {"pooled_output": "none"}, "LongCatImage": {"pooled_output": "none"},
     "HunyuanVideo15_SR_Distilled": {"pooled_output": "none", "concat_latent_image": "sr_latent",
                                     "noise_augmentation": "sr_noise"},
