@@ -6,6 +6,7 @@ still a dependency a reader has to follow.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +68,9 @@ def _imports(module: str, path: str) -> set[str]:
     return out
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
+    """module -> the modules it imports (parsed once per session; callers read it, never change it)."""
     modules = {}
     for package in ALLOWED:
         modules.update(_modules(package))
@@ -131,7 +134,8 @@ def test_no_product_module_imports_demo_or_test_code():
 
 
 def test_no_import_circle_in_the_product_packages():
-    graph = {m: {d for d in deps if d in set(_graph())} for m, deps in _graph().items() if m.split(".")[0] in PRODUCT}
+    full = _graph()
+    graph = {m: {d for d in deps if d in full} for m, deps in full.items() if m.split(".")[0] in PRODUCT}
     state: dict[str, int] = {}
     cycles = []
 
