@@ -24,6 +24,7 @@ TEXT_DIM, TOKENS = families.CONTEXT[NAME][0], 8
 TINY = families.TINY[NAME]  # 64 wide, 2 blocks, 1 refiner block, 2 heads of 32
 # video (1, 24, latent frames, h, w) and audio (1, 32, 2, frames), as EmptyMiniMaxH3LatentAV(64, 64, 5) shapes them
 VIDEO, AUDIO = families.PACKED[NAME]
+N_VIDEO = 24 * 2 * 4 * 4  # the video part's elements in a packed row (then the audio part's 32 * 2 * 8)
 
 
 def available() -> str | None:
@@ -32,6 +33,21 @@ def available() -> str | None:
     import comfyui_version
 
     return None if hasattr(sm, NAME) else f"ComfyUI {comfyui_version.__version__} has no MiniMaxH3 model class"
+
+
+def built_or_skip():
+    """The tiny model for a test module's fixture; the test is skipped, with the reason, where ComfyUI lacks it."""
+    import pytest
+
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    return build()
+
+
+def av(seed: int = 0) -> dict:
+    """A LATENT dict around the packed latent."""
+    return {"samples": latent(seed=seed)}
 
 
 def build(seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -18,19 +18,12 @@ import minimax_h3_tiny as tiny
 pytestmark = pytest.mark.usefixtures("one_thread")
 RANK = 4
 NODE = "PrecisionTrainLoRA"
-N_VIDEO = 24 * 2 * 4 * 4  # the video part's elements in a packed row (then the audio part's 32 * 2 * 8)
+N_VIDEO = tiny.N_VIDEO
 
 
 @pytest.fixture(scope="module")
 def h3(pack):
-    reason = tiny.available()
-    if reason is not None:
-        pytest.skip(reason)
-    return tiny.build()
-
-
-def _av(seed: int = 0) -> dict:
-    return {"samples": tiny.latent(seed=seed)}
+    return tiny.built_or_skip()
 
 
 def _refusal(pack_module, model, latent, conds=None) -> str:
@@ -75,7 +68,7 @@ def test_a_conditioning_of_another_text_encoder_is_refused(pack_module, h3):
     """Text states of another width (here 64: not Qwen3-VL's) are refused before extra_conds' projection fails."""
     gen = torch.Generator().manual_seed(0)
     cond = [[torch.randn((1, tiny.TOKENS, 64), generator=gen), {}]]
-    message = _refusal(pack_module, h3, _av(), [cond])
+    message = _refusal(pack_module, h3, tiny.av(), [cond])
     for part in (NODE, "input 'conditioning'", "(1, 8, 64)", f"(B, tokens, {tiny.TEXT_DIM})",
                  "CLIPLoader, type minimax"):
         assert part in message, (part, message)
@@ -87,7 +80,7 @@ def test_caption_dropouts_empty_caption_is_encoded_as_the_sample(pack_module, h3
     tglue, tdata, captions = (pack_module(m) for m in ("nodes.train.glue", "nodes.train.data", "nodes.train.captions"))
     settings = pack_module("training.settings").TrainSettings(caption_dropout=0.5)
     device = torch.device("cpu")
-    samples, _ = tdata.build_dataset(h3, [_av()], [tiny.conditioning()], None, device)
+    samples, _ = tdata.build_dataset(h3, [tiny.av()], [tiny.conditioning()], None, device)
     samples = captions.with_empty_caption(h3, samples, [tiny.conditioning(seed=9, tokens=3)], settings, device)
     empty = samples[0].empty_cond
     assert empty["latent_shapes"].cond == [tiny.VIDEO, tiny.AUDIO]
@@ -105,7 +98,7 @@ def test_the_memory_budget_measures_one_sample(pack_module, h3):
     """vram_budget_gb's step measurement runs the forward the loop runs: one sample, whatever the batch size."""
     budget = pack_module("nodes.train.budget")
     settings = pack_module("training.settings").TrainSettings(batch_size=2)
-    x0, conds = budget._batch(h3, settings, [_av(0), _av(1)], [tiny.conditioning()])
+    x0, conds = budget._batch(h3, settings, [tiny.av(0), tiny.av(1)], [tiny.conditioning()])
     assert tuple(x0.shape) == (1, 1, N_VIDEO + 32 * 2 * 8) and len(conds) == 1
     assert conds[0]["latent_shapes"].cond == [tiny.VIDEO, tiny.AUDIO]
 
@@ -113,7 +106,7 @@ def test_the_memory_budget_measures_one_sample(pack_module, h3):
 def test_the_probe_refuses_the_packed_latent_by_name(pack_module, h3):
     probe = pack_module("nodes.probe.node")
     with pytest.raises(ValueError) as err:
-        probe.pick(h3, [_av()], [tiny.conditioning()])
+        probe.pick(h3, [tiny.av()], [tiny.conditioning()])
     for part in ("PrecisionProbe", "input 'latent'", "packed audio-video LATENT", "PrecisionTrainLoRA"):
         assert part in str(err.value), (part, str(err.value))
 
@@ -126,7 +119,7 @@ def test_a_vram_budget_is_refused_by_name(pack_module, h3):
     with torch.inference_mode():
         attached = lglue.attach_lora(h3, lora.LoRAConfig(rank=RANK, alpha=RANK))
     with pytest.raises(ValueError) as err:
-        budget.plan_budget(attached, settings, [_av()], [tiny.conditioning()])
+        budget.plan_budget(attached, settings, [tiny.av()], [tiny.conditioning()])
     for part in (NODE, "input 'vram_budget_gb'='8'", "MiniMaxH3", "reads tensor values", "set vram_budget_gb to 0"):
         assert part in str(err.value), (part, str(err.value))
 

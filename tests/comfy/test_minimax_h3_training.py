@@ -26,19 +26,12 @@ import minimax_h3_tiny as tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RANK, STEPS = 4, 20
-N_VIDEO = 24 * 2 * 4 * 4  # the video part's elements in a packed row (then the audio part's 32 * 2 * 8)
+N_VIDEO = tiny.N_VIDEO
 
 
 @pytest.fixture(scope="module")
 def h3(pack):
-    reason = tiny.available()
-    if reason is not None:
-        pytest.skip(reason)
-    return tiny.build()
-
-
-def _av(seed: int = 0) -> dict:
-    return {"samples": tiny.latent(seed=seed)}
+    return tiny.built_or_skip()
 
 
 def _fixed_fns(base, shape, sigma: float = 0.5):
@@ -77,7 +70,7 @@ def test_minimax_h3_memorises_a_packed_latent_with_the_default_preset(pack_modul
     import comfy.utils
 
     video, audio = tiny.parts()
-    losses, lora_set, samples, report, _ = _memorise(pack_module, h3, [_av()], [tiny.conditioning()],
+    losses, lora_set, samples, report, _ = _memorise(pack_module, h3, [tiny.av()], [tiny.conditioning()],
                                                      gradient_checkpointing=checkpointing)
     scale = h3.model.model_sampling.audio_scale
     assert scale == 4.0  # shift 12 / audio_shift 3
@@ -104,7 +97,7 @@ def test_a_bf16_base_trains(pack_module, h3):
     dtypes = {n: p.dtype for n, p in model.model.diffusion_model.named_parameters()}
     assert dtypes["blocks.0.attn.qkv_proj.weight"] == torch.bfloat16
     assert dtypes["final_layer.audio_out.weight"] == dtypes["video_patch_proj.weight"] == torch.float32
-    losses, lora_set, *_ = _memorise(pack_module, model, [_av()], [tiny.conditioning()])
+    losses, lora_set, *_ = _memorise(pack_module, model, [tiny.av()], [tiny.conditioning()])
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
     assert all(float(a.up.detach().abs().sum()) > 0 for a in lora_set.adapters().values())
 
@@ -128,7 +121,7 @@ def _sampler_step(pack_module, model, cond: list, seed: int):
 
     tglue, tdata = pack_module("nodes.train.glue"), pack_module("nodes.train.data")
     settings = pack_module("training.settings").TrainSettings()
-    latent = _av(seed=4)
+    latent = tiny.av(seed=4)
     noise = comfy.sample.prepare_noise(latent["samples"], 7)
     sigmas = torch.tensor([0.5, 0.0])
     with torch.inference_mode():
@@ -171,7 +164,7 @@ def test_a_first_frame_keyframe_trains_as_the_sampler_runs_it(pack_module, h3):
     torch.testing.assert_close(ours, stock_packed, rtol=1e-4, atol=1e-4)
     plain, _, _ = _sampler_step(pack_module, h3, tiny.conditioning(seed=4), seed=0)
     assert not torch.allclose(plain, stock_packed, atol=1e-4)  # the keyframe changes the step
-    losses, _, samples, _, _ = _memorise(pack_module, h3, [_av()], [_keyframe_conditioning()])
+    losses, _, samples, _, _ = _memorise(pack_module, h3, [tiny.av()], [_keyframe_conditioning()])
     assert len(samples[0].cond["minimax_payload"].cond["cond_video_latents"]) == 1
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
@@ -188,7 +181,7 @@ def test_the_shift_nodes_schedule_is_the_one_trained(pack_module, h3):
     torch.testing.assert_close(ours, stock_packed, rtol=1e-4, atol=1e-4)
     unshifted, _, _ = _sampler_step(pack_module, h3, tiny.conditioning(seed=4), seed=7)
     assert not torch.allclose(unshifted, stock_packed, atol=1e-4)
-    losses, _, samples, _, _ = _memorise(pack_module, shifted, [_av()], [tiny.conditioning()])
+    losses, _, samples, _, _ = _memorise(pack_module, shifted, [tiny.av()], [tiny.conditioning()])
     assert samples[0].cond["minimax_payload"].cond["audio_scale"] == pytest.approx(5 / 3)
     video, audio = tiny.parts()
     packed, _ = comfy.utils.pack_latents([video, audio])
@@ -226,7 +219,7 @@ def test_in_place_residuals_need_the_sessions_saved_tensor_copies(pack_module, h
     tglue, tdata = pack_module("nodes.train.glue"), pack_module("nodes.train.data")
     compat, grad = pack_module("nodes.host.comfy_compat"), pack_module("training.grad")
     assert tglue.needs_in_place_fix(h3)
-    samples, _ = tdata.build_dataset(h3, [_av()], [tiny.conditioning()], None, torch.device("cpu"))
+    samples, _ = tdata.build_dataset(h3, [tiny.av()], [tiny.conditioning()], None, torch.device("cpu"))
     x = samples[0].latent[None].clone().requires_grad_(True)
     sigma = torch.tensor([0.5])
     import comfy.samplers
@@ -244,7 +237,7 @@ def test_in_place_residuals_need_the_sessions_saved_tensor_copies(pack_module, h
 def test_each_sample_trains_in_a_forward_of_its_own(pack_module, h3):
     """ComfyUI's forward takes batch size 1 ("MiniMax H3 supports batch size 1"): batch_size 2 over two samples
     trains each in its own forward (the batch loss is their mean) and still memorises."""
-    losses, _, samples, report, batches = _memorise(pack_module, h3, [_av(0), _av(1)],
+    losses, _, samples, report, batches = _memorise(pack_module, h3, [tiny.av(0), tiny.av(1)],
                                                     [tiny.conditioning(0), tiny.conditioning(1)], batch_size=2)
     assert len(samples) == 2 and samples[0].group != samples[1].group
     assert batches and set(batches) == {1} and len(batches) == 2 * STEPS
@@ -264,7 +257,7 @@ def test_train_node_save_and_stock_load(pack_module, h3, caplog):
     train = pack_module("nodes.train.node").PrecisionTrainLoRA
     save = pack_module("nodes.lora.node").PrecisionSaveLoRA
     settings = pack_module("training.settings").TrainSettings(learning_rate=1e-2)
-    latent, cond = _av(seed=5), tiny.conditioning(seed=5)
+    latent, cond = tiny.av(seed=5), tiny.conditioning(seed=5)
     with torch.inference_mode():
         attached = lglue.attach_lora(h3, lora.LoRAConfig(rank=RANK, alpha=RANK))
         out = train.execute([attached], [latent], [cond], [4], [0], ["minimax_h3_av"], settings=[settings]).result
