@@ -19,6 +19,12 @@ import families
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 RANK, STEPS, PIXELS = 4, 20, 64
+# Adam at 5e-3 descends monotonically here (mean of the last 3 losses / first 3: 0.038 on AMD Zen 4 with
+# ATEN_CPU_CAPABILITY avx512 / avx2 / default, MKL AVX2, one thread; same to 4 digits), 6.5x below the 0.25
+# threshold and 4x from no learning (1.0). At 3e-2 the run was chaotic: a loss spike to 34 at step 4, then a
+# ratio of 0.34 / 0.37 / 0.75 under those kernel settings, which put the test on either side of its 0.5
+# threshold by the last bits of the CPU's kernels.
+LR, MEMORISED = 5e-3, 0.25
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def _session(pack_module, model, **settings):
     well as the attention; the default preset's row is in the family table) and the training session pieces."""
     lglue, tglue, tdata = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data"))
     lora = pack_module("lora.config")
-    settings = pack_module("training.settings").TrainSettings(learning_rate=3e-2, **settings)
+    settings = pack_module("training.settings").TrainSettings(learning_rate=LR, **settings)
     attached = lglue.attach_lora(model, lora.LoRAConfig(rank=RANK, alpha=RANK, targets="all"))
     out, lora_set = tglue.fork_lora(attached)
     return tglue, tdata, settings, out, lora_set
@@ -67,7 +73,7 @@ def test_hidream_o1_memorises_an_image(pack_module, hidream_o1, checkpointing):
         assert dm._kv_cache_entries == [], "the session leaves no K/V cache computed with training weights"
     losses = [p["loss"] for p in result.state.history]
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < 0.5 * first, f"loss {first:.4f} -> {last:.4f}"
+    assert last < MEMORISED * first, f"loss {first:.4f} -> {last:.4f}"
     learnt = [p for p, a in lora_set.adapters().items() if float(a.up.detach().abs().max()) > 0]
     assert any("language_model.layers.0." in p for p in learnt), learnt  # gradients reach the first block
 
