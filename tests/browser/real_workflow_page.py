@@ -95,13 +95,13 @@ def frames(server, entry: dict, node_id: int) -> np.ndarray:
 
 
 def train_in_page(page, server, ids: dict, *, files: str, lora_prefix: str, steps: int, base_model_version: str,
-                  shot: str, no_overlaps: bool = True) -> tuple[str, set[str]]:
+                  shot: str, no_overlaps: bool = True, timeout: float = 900) -> tuple[str, set[str]]:
     """Run the dropped training graph from the page: it saves one new LoRA (`<lora_prefix>_*.safetensors`) that
     records `steps` and the family, Train LoRA's loss chart shows the finished run, and (`no_overlaps`) no node lies
     over another after Train LoRA grew by its report and chart. Returns the LoRA's name for Load LoRA's list and its modules."""
     pattern = os.path.join(files, "models", "loras", "precision_lora", f"{lora_prefix}_*.safetensors")
     before = set(glob.glob(pattern))
-    run(page, server, timeout=900)
+    run(page, server, timeout=timeout)
     saved = sorted(set(glob.glob(pattern)) - before)
     assert len(saved) == 1, saved
     with safe_open(saved[0], "pt") as f:
