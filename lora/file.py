@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,7 +24,33 @@ from .layer import LoRASet
 
 log = logging.getLogger(__name__)
 
-PACK_VERSION = "0.1.0"
+
+def read_pack_version(pyproject: str) -> str:
+    """``version`` of the ``[project]`` table in the file ``pyproject``, or "unknown" when it has none.
+
+    The version is written once, in the pack's ``pyproject.toml``. The pack runs from a folder in
+    ``custom_nodes/`` (not pip-installed), so there is no package metadata to ask, and Python 3.10 has no
+    ``tomllib``: this reads the one key it needs, a quoted ``version = "X.Y.Z"`` line in ``[project]``.
+    """
+    try:
+        with open(pyproject, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "unknown"
+    table = None
+    for line in lines:
+        header = re.match(r"\s*\[\[?([^\[\]]+)\]\]?\s*(#.*)?$", line)  # [table] or [[array of tables]]
+        if header:
+            table = header.group(1).strip()
+            continue
+        value = re.match(r"""\s*version\s*=\s*(["'])([^"']+)\1\s*(#.*)?$""", line)
+        if table == "project" and value:
+            return value.group(2)
+    return "unknown"
+
+
+PACK_VERSION = read_pack_version(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                              "pyproject.toml"))
 SAVE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KEY_STYLES: dict[str, str] = {"kohya": "lora_unet_", "diffusion_model": "diffusion_model."}
 _KOHYA_FAMILIES = ("flux", "flux1", "flux2", "chroma", "kontext")

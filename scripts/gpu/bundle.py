@@ -278,19 +278,29 @@ def unpack(bundle: pathlib.Path, dest: pathlib.Path, group: str) -> pathlib.Path
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """One sub-parser per command, its arguments as (flags, options) pairs."""
+    files, bundle = (("files",), {"nargs": "+"}), (("--bundle",), {"required": True})
+    commands: dict[str, list[tuple[tuple[str, ...], dict]]] = {
+        "pins": [(("--drop",), {"default": ""}), files],
+        "missing": [(("--dir",), {"required": True}), files],
+        "prune": [(("--dir",), {"required": True}), (("--keep",), {"action": "append", "default": []}), files],
+        "check-sha": [(("file",), {}), (("sha256",), {})],
+        "pack": [bundle, (("--part-mib",), {"type": float, "default": 56})],
+        "verify": [bundle, (("--group",), {"action": "append"})],
+        "unpack": [bundle, (("--dest",), {"required": True}), (("--group",), {"required": True})],
+    }
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("pins"); p.add_argument("--drop", default=""); p.add_argument("files", nargs="+")
-    p = sub.add_parser("missing"); p.add_argument("--dir", required=True); p.add_argument("files", nargs="+")
-    p = sub.add_parser("prune"); p.add_argument("--dir", required=True); p.add_argument("--keep", action="append", default=[])
-    p.add_argument("files", nargs="+")
-    p = sub.add_parser("check-sha"); p.add_argument("file"); p.add_argument("sha256")
-    p = sub.add_parser("pack"); p.add_argument("--bundle", required=True); p.add_argument("--part-mib", type=float, default=56)
-    p = sub.add_parser("verify"); p.add_argument("--bundle", required=True); p.add_argument("--group", action="append")
-    p = sub.add_parser("unpack"); p.add_argument("--bundle", required=True); p.add_argument("--dest", required=True)
-    p.add_argument("--group", required=True)
-    a = ap.parse_args(argv)
+    for name, arguments in commands.items():
+        p = sub.add_parser(name)
+        for flags, options in arguments:
+            p.add_argument(*flags, **options)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     if a.cmd == "pins":
         print("\n".join(read_pins(a.files, set(filter(None, a.drop.split(","))))))
     elif a.cmd == "missing":

@@ -117,14 +117,42 @@ def test_peft_names_and_missing_alpha_use_comfy_rule():
     assert all(f.scale == 1.0 for f in parsed.values())  # no .alpha -> scale 1.0, as ComfyUI does
 
 
-def test_pack_version_matches_pyproject():
+def test_pack_version_is_pyprojects_as_a_toml_parser_reads_it():
+    """PACK_VERSION (written into every saved LoRA) is read from pyproject.toml by a small parser; a real TOML
+    parser reads the same [project] version, and it is the only version string of the pack."""
     import re
 
     from lora.file import PACK_VERSION
 
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with tomllib")
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    text = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
-    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == PACK_VERSION
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    assert PACK_VERSION == version
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)  # the Comfy Registry's X.Y.Z
+    meta = lora_metadata(LoRAConfig(rank=4), family="flux1", key_style="kohya", mixed_precision="fp32")
+    assert meta["precision_lora_version"] == version
+    with open(os.path.join(root, "lora", "file.py"), encoding="utf-8") as f:
+        assert not re.search(r"PACK_VERSION\s*=\s*[\"']", f.read())  # not written down a second time
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[project]\nname = "x"\nversion = "1.2.3"\n', "1.2.3"),
+    ('[project]\nversion = "1.2.3"  # a comment\n', "1.2.3"),
+    ("[project]\nversion = '4.5.6'\n", "4.5.6"),
+    ('[tool.other]\nversion = "9.9.9"\n[project]\nversion = "1.0.0"\n', "1.0.0"),  # another table's version
+    ('[project]\nname = "x"\n[tool.other]\nversion = "9.9.9"\n', "unknown"),  # [project] has none
+    ('[project]\nname = "x"\n[[tool.list]]\nversion = "9.9.9"\n', "unknown"),  # an array of tables ends it
+    ('[project]\n# version = "0.0.1"\nversion = "2.0.0"\n', "2.0.0"),  # a commented-out line
+])
+def test_read_pack_version(tmp_path, text, expected):
+    from lora.file import read_pack_version
+
+    path = tmp_path / "pyproject.toml"
+    path.write_text(text, encoding="utf-8")
+    assert read_pack_version(str(path)) == expected
+    assert read_pack_version(str(tmp_path / "missing.toml")) == "unknown"
 
 
 def test_fp16_overflow_is_refused_not_written_as_inf(tmp_path):
