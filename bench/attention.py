@@ -232,7 +232,7 @@ def sweep(repeats: int) -> None:
 
 @contextlib.contextmanager
 def row_jitter(value: float) -> Iterator[None]:
-    """Temporarily set the stable shift's per-row jitter (0 = the shift before issue 16)."""
+    """Temporarily set the stable shift's per-row jitter (0 = no per-row jitter; docs/attention.md, "Shift diversity")."""
     old = pt_stable.ROW_JITTER
     pt_stable.ROW_JITTER = value
     try:

@@ -26,7 +26,7 @@ import memory_models  # noqa: E402
 BUDGETS = (8, 12, 16, 24, 48, 80)
 # the base users train each model on: fp8 for the large ones (what the published figures use), bf16 else
 BASE = {"cosmos-predict2-2b": "bf16", "anima": "bf16", "sdxl": "bf16", "flux2-klein-4b": "fp8"}
-# published figures (../shared/MEMORY.md §1 quotes the sources; docs/memory.md names them)
+# published figures (docs/memory.md names their sources)
 PUBLISHED = {
     "flux1-dev": "sd-scripts, fp8: 24 GB (batch 2); 16 with swap; 12 with 16 swapped; 8 with 28",
     "flux2-klein-4b": "~8 GB 8-bit (seed doc, SimpleTuner)",

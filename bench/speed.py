@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHES = {  # name -> (what its ratios mean, owner)
-    "attention": ("override overhead vs stock ComfyUI attention; stable vs sdpa", "issue 3"),
-    "lora": ("fp32-accumulating vs plain bf16 LoRA layer, forward+backward", "issue 7"),
-    "train": ("our training step vs ComfyUI's built-in trainer; memory", "issue 4"),
+BENCHES = {  # name -> (what its ratios mean, the doc that describes it)
+    "attention": ("override overhead vs stock ComfyUI attention; stable vs sdpa", "docs/attention.md"),
+    "lora": ("fp32-accumulating vs plain bf16 LoRA layer, forward+backward", "docs/lora.md"),
+    "train": ("our training step vs ComfyUI's built-in trainer; memory", "docs/training.md"),
 }
 _NUM = r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
 _LINE_RATIO = re.compile(rf"ratio\s+(?P<label>[^=,:]+?)\s*=\s*(?P<value>{_NUM})")

@@ -60,7 +60,7 @@ _UNET_MLP = (_UNET_BLOCK + _UNET_TRANSFORMER + r"ff(_in)?\.net\..+",)
 # two deepest levels (AttnBlock: attention.attn.to_q / to_k / to_v / out_proj, kv_mapper); the levels above are
 # ResBlocks whose only Linears are the channelwise MLP (channelwise.0 in, channelwise.4 out). Family rule: its
 # default preset also takes every ResBlock's channelwise MLP, so the default trains every level (attention
-# alone lowered a memorisation loss by 11 %, below the 20 % every family reaches; issue 25).
+# alone lowered a memorisation loss by 11 %, below the 20 % every family reaches in tests/comfy/test_families.py).
 _CASCADE_B_CHANNELWISE = (r"(?:down|up)_blocks\.\d+\.\d+\.channelwise\.[04]",)
 
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {

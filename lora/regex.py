@@ -1,7 +1,7 @@
 """User-supplied regular expressions (LoRA include / exclude) that cannot freeze the server.
 
 Python's ``re`` backtracks: one pattern such as ``(.*.*){1,4}Z`` searched over a model's module paths held
-the GIL for ~35 s (issue 13, D2), blocking every HTTP request and /interrupt; each extra repetition took
+the GIL for ~35 s (tests/unit/test_regex_engine.py), blocking every HTTP request and /interrupt; each extra repetition took
 about 6x longer. Two engines, chosen once:
 
 - ``google-re2`` (``import re2``, in requirements.txt): linear-time matching whatever the pattern. Patterns
@@ -13,7 +13,7 @@ about 6x longer. Two engines, chosen once:
   reason and the remedy (install google-re2, or simplify).
 
 Both engines cap the pattern at ``MAX_PATTERN_CHARS`` and its group nesting at ``MAX_GROUP_DEPTH`` (Python's
-``re`` parser recurses once per level and raised RecursionError at ~500, issue 22 item 4; RE2 takes any depth,
+``re`` parser recurses once per level and raised RecursionError at ~500; RE2 takes any depth,
 but no module path needs more than a few levels), and refuse text that is not valid Unicode (a lone UTF-16
 surrogate). With RE2 the pattern is RE2's: ``\\p{Greek}`` and the like are accepted although ``re`` cannot parse
 them; a pattern RE2 refuses is called invalid with ``re``'s reason when ``re`` refuses it too, else a pattern

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU truth in one command (issue #27; docs/gpu.md). On a GPU machine without network, from the repository
+# GPU truth in one command (docs/gpu.md). On a GPU machine without network, from the repository
 # root, after the bundle's parts arrived (scripts/gpu/receive.sh):
 #   bash scripts/gpu_check.sh [--minutes N] [--out DIR] [--bundle DIR] [--work DIR] [--only PHASE] [--resume]
 # installs the bundle into a throwaway environment (--work, default /tmp/precision_lora_gpu) and runs every

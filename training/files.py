@@ -2,9 +2,9 @@
 
 ``atomic_write`` writes into a temporary ``.precision_lora_<pid>_<token>.partial`` file in the target's
 folder, fsyncs it, renames it onto the target (``os.replace``) and fsyncs the folder, so a crash leaves
-either the old file or the complete new one (issue 13, D11). The file gets mode 0o666 minus the process
+either the old file or the complete new one (tests/unit/test_atomic_write.py). The file gets mode 0o666 minus the process
 umask, as ComfyUI's own files do (``tempfile.mkstemp``, and safetensors, which replaces the file it writes,
-made every file of the pack 0600: D9).
+made every file of the pack 0600).
 
 Temporary files left by a crashed process are removed: ``remove_stale_partials(folder)`` deletes the pack's
 ``.partial`` files whose writer process is gone (or that are older than a day), and ``atomic_write`` runs

@@ -21,7 +21,7 @@ __all__ = ["OPTIMIZERS", "Hyperparams", "OptimizerSpec", "available", "build_opt
 
 BASE_LR_KEY = "precision_base_lr"  # per-group lr before the schedule (LoRA+ groups differ)
 # Group keys that come from the run's settings. A resumed run loads the optimizer state of the run it continues,
-# which carries the old values of these; the settings chosen now win (issue 23 item 1). Keys an optimizer keeps
+# which carries the old values of these; the settings chosen now win (docs/training.md). Keys an optimizer keeps
 # as state of its own in its groups (Prodigy's d estimate) are not among them and continue as saved.
 SETTING_KEYS = ("lr", BASE_LR_KEY, "betas", "eps", "weight_decay", "momentum")
 

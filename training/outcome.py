@@ -1,4 +1,4 @@
-"""How a training call ended, decided in one place (issue 13, D3: runs that learned nothing reported success).
+"""How a training call ended, decided in one place (runs that learned nothing used to report success).
 
 A call **fails** when one of these holds (``Outcome.problem`` says which, with the fix):
 
@@ -8,7 +8,7 @@ A call **fails** when one of these holds (``Outcome.problem`` says which, with t
    deltas about a thousand times the base model's weights, and products of two such factors (1e6) are
    beyond what fp16 can hold;
 3. every optimizer step of the call was skipped: by the NaN guard (non-finite loss or gradients) or because
-   ``module_dropout`` dropped every adapter in it (no gradient, issue 22 item 3): nothing was learned,
+   ``module_dropout`` dropped every adapter in it (no gradient): nothing was learned,
    whatever the weights look like.
 
 Otherwise the call succeeds; skipped steps, steps with every adapter dropped and rollbacks are still counted

@@ -1,7 +1,7 @@
 """Block swap for training: frozen base blocks live on the host and stream to the device one block at a time.
 
 The base model is frozen, so a block's weights only ever travel host -> device; nothing is copied back.
-Built the way the trainers that fit Flux on 8-16 GB cards build it (../shared/MEMORY.md §2):
+Built the way the trainers that fit Flux on 8-16 GB cards build it (docs/memory.md, Block swap):
 
 - **Packed host blocks.** Each swapped block's frozen parameters are packed once into one host buffer
   (``uint8``, tensors at ``ALIGN``-byte offsets), pinned when CUDA is present, so a load is one ``copy_``.

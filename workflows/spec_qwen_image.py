@@ -1,4 +1,4 @@
-"""Qwen-Image real workflows (issue 25 item 5): train_lora_qwen_image.json and inference_qwen_image.json.
+"""Qwen-Image real workflows (docs/workflows.md): train_lora_qwen_image.json and inference_qwen_image.json.
 
 Loaded by workflows/build.py (``SPECS``). Model, text encoder and VAE come from ComfyUI's own loaders with the
 file names of ComfyUI's own Qwen-Image template (image_qwen_image.json of comfyui_workflow_templates: UNETLoader

@@ -1,6 +1,6 @@
 """One gate for the widget values of every pack node: numbers, options, booleans and file names.
 
-Why a gate of our own (issue 13, D4/D5/D7/D10): ComfyUI (0.3.75 and 0.33) skips its min/max and option
+Why a gate of our own (tests/comfy/test_input_gate.py): ComfyUI (0.3.75 and 0.33) skips its min/max and option
 checks for every input a node's ``validate_inputs`` names, and for all inputs when it takes ``**kwargs``;
 NaN passes those checks anyway (``nan < min`` is False); values arriving through links are never checked.
 

@@ -1,4 +1,4 @@
-"""One error entry per problem, under the input at fault, in ComfyUI's answer to a refused prompt (issue 22, 7).
+"""One error entry per problem, under the input at fault, in ComfyUI's answer to a refused prompt.
 
 ComfyUI (0.3.75 and 0.33, ``execution.validate_inputs``) files the one message a node's ``validate_inputs``
 returns once under *every* input that function takes: the pack's gate takes them all (``**values``, so that

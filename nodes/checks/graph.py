@@ -1,4 +1,4 @@
-"""Rules across nodes, refused when the prompt is queued, before anything runs (issue 23 item 8).
+"""Rules across nodes, refused when the prompt is queued, before anything runs.
 
 ComfyUI validates each node on its own, and a linked input (Train LoRA's ``settings``) has no value during
 validation, so Train LoRA cannot see that its settings ask for caption dropout: the run used to be refused

@@ -1,4 +1,4 @@
-"""PrecisionCachedTrainingDataset: ComfyUI's Make Training Dataset with an on-disk cache (issue 23 item 3).
+"""PrecisionCachedTrainingDataset: ComfyUI's Make Training Dataset with an on-disk cache (docs/dataset_cache.md).
 
 Takes what MakeTrainingDataset takes (IMAGE list, VAE, CLIP, texts) and returns what it returns (one LATENT
 and one CONDITIONING per image, the inputs of Train LoRA), encoded by the same VAE / CLIP calls

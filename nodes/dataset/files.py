@@ -1,4 +1,4 @@
-"""A dataset folder -> images, captions and a report of every decision (issue 23 items 4 and 5). No ComfyUI.
+"""A dataset folder -> images, captions and a report of every decision (docs/datasets.md). No ComfyUI.
 
 Layout (the one ComfyUI's LoadImageTextDataSetFromFolder reads, kohya-style repeats included):
 ``<folder>/a.png`` with its caption ``<folder>/a.txt``; a subfolder ``<folder>/10_cat/`` adds its images 10

@@ -1,4 +1,4 @@
-"""Frame counts video VAEs encode, and the clip lengths that fit them (issue 25 item 4). No ComfyUI imports.
+"""Frame counts video VAEs encode, and the clip lengths that fit them (docs/video.md). No ComfyUI imports.
 
 ComfyUI's causal video VAEs encode the first frame alone and every later group of ``step`` frames to one
 latent frame, so a clip must have ``step * k + 1`` frames: Wan 2.1 / 2.2 and HunyuanVideo 4k+1, LTXV 8k+1,

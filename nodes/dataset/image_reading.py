@@ -1,4 +1,4 @@
-"""One image file -> an RGB IMAGE in [0, 1], with every decision it took (issue 23 item 4).
+"""One image file -> an RGB IMAGE in [0, 1], with every decision it took (docs/datasets.md).
 
 What ComfyUI's folder loaders got wrong, and what ``read_image`` does instead:
 

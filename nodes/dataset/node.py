@@ -2,7 +2,7 @@
 
 A drop-in for ComfyUI's LoadImageTextDataSetFromFolder (same outputs: an IMAGE list and a text list, in
 pairs), which reads 16-bit grayscale as white, drops transparency to black, ignores EXIF orientation, skips
-.gif/.bmp/.tiff and lets a missing caption train on "" without a word (issue 23 items 4 and 5). This node
+.gif/.bmp/.tiff and lets a missing caption train on "" without a word (docs/datasets.md). This node
 applies orientation, converts bit depths and palettes, composites transparency on the chosen background (or
 refuses it), reads the first frame of animations (or refuses them) and returns a report naming every file
 something was decided for. Like ComfyUI 0.33 (and unlike 0.3.75) it refuses folders outside input/.

@@ -157,7 +157,7 @@ def bucket_images(images: list[Any], resolution: int, multiple: int, max_upscale
 
 def _empty_texts(texts: list[Any]) -> str:
     """A report sentence naming the empty texts among non-empty ones (an image without its .txt caption
-    trains on the empty caption, issue 23 item 5), or ''."""
+    trains on the empty caption), or ''."""
     empty = [i for i, t in enumerate(texts) if isinstance(t, str) and not t.strip()]
     if not empty or len(empty) == len(texts):
         return ""

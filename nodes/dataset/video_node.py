@@ -1,5 +1,5 @@
 """PrecisionLoadVideoDataset: a folder of video clips (and still images) with captions, cut to frame counts
-the family's video VAE encodes (issue 25 item 4).
+the family's video VAE encodes (docs/video.md).
 
 Outputs an IMAGE list (one frame batch (T, H, W, 3) per clip, as ComfyUI's Get Video Components gives a
 video's frames) and the captions, so it feeds PrecisionResolutionBuckets and PrecisionCachedTrainingDataset

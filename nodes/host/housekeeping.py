@@ -1,4 +1,4 @@
-"""Start-up housekeeping: remove the temporary files a crashed save of the pack left behind (issue 13, D11).
+"""Start-up housekeeping: remove the temporary files a crashed save of the pack left behind.
 
 ``register()`` (idempotent, run once when the pack loads) sweeps every folder tree the pack writes into by
 default: the loras folders and ``output/precision_lora``. ``training.files.atomic_write`` also sweeps each

@@ -206,7 +206,7 @@ def _show_on_node(text: str) -> None:
 
 def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:
     """The tensors to save, refused before anything is written when they hold NaN/inf or do not fit
-    ``save_dtype`` (fp16 overflow used to be written as inf and loaded silently: issue 13, D1)."""
+    ``save_dtype`` (fp16 overflow used to be written as inf and loaded silently: tests/unit/test_lora_file.py)."""
     try:
         tensors = lora_state_dict(lora_set, style, save_dtype)
     except ValueError as e:

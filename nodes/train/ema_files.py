@@ -1,4 +1,4 @@
-"""The EMA LoRA written beside a run's checkpoints (``ema_save`` "beside", issue 26 item 2).
+"""The EMA LoRA written beside a run's checkpoints (``ema_save`` "beside"; docs/optimizers.md).
 
 The loop puts the EMA weights into the LoRA set (``training.views``) and calls the writer with the step; the
 file is ``models/loras/<name>/<name>_step<N>_ema.safetensors`` (a free name: an existing file is never

@@ -1,6 +1,6 @@
 """One training step of the pack at a model's real size, estimated on the CPU under fake tensors.
 
-The core of ``bench/memory.py`` (#29 item 1), here so the training node can plan a VRAM budget
+The core of ``bench/memory.py`` (docs/memory.md), here so the training node can plan a VRAM budget
 (``budget.py``). ``run_step`` attaches a LoRA of the given config as ``PrecisionAttachLoRA`` does, runs the
 pack's training step twice (``training.memory_step``: loss, backward, optimizer with its fp32 masters,
 checkpointing as ``training_session`` applies it) under torch's ``MemTracker`` and returns the tracked

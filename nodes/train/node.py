@@ -117,7 +117,7 @@ def _settings_inputs() -> list:
 
 
 def _ema_inputs() -> list:
-    """EMA of the LoRA weights (issue 26 item 2); optional, so workflows saved before them still validate."""
+    """EMA of the LoRA weights (docs/optimizers.md); optional, so workflows saved before them still validate."""
     return [
         io.Float.Input("ema_decay", default=DEFAULTS.ema_decay, min=0.0, max=0.99999, step=1e-5, optional=True,
                        tooltip="EMA of the LoRA weights: fp32 shadow <- decay x shadow + (1 - decay) x weights after "
@@ -391,7 +391,7 @@ class PrecisionTrainLoRA(PrecisionNode):
             raise mm.InterruptProcessingException()
         if previewer is not None:
             previewer.raise_if_failed(checkpoint)
-        if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (issue 13, D3)
+        if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (training/outcome.py)
             raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
                              f"{exploded_note(moved, kept)}")
         images, shown = node_outputs(previewer)

@@ -1,6 +1,6 @@
 """HTTP routes of the training job: stop / checkpoint-now, and the current run's loss history.
 
-Both are scoped to the client that queued the run (issue 13, D6): ComfyUI gives each client an id (the
+Both are scoped to the client that queued the run (docs/workflows.md): ComfyUI gives each client an id (the
 prompt's ``client_id``, the websocket ``clientId``) and the job remembers it.
 
 ``POST /precision_lora/train/control`` body ``{"action": "stop" | "checkpoint", "client_id": str,

@@ -29,7 +29,7 @@ def facts() -> dict:
         import torch
 
         out.update(torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available())
-        # what decides whether fp32 GEMMs round their operands to TF32 (issue #27, defect 1)
+        # what decides whether fp32 GEMMs round their operands to TF32 (docs/gpu.md)
         out["tf32"] = {"matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                        "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -1,4 +1,4 @@
-"""The phases of scripts/gpu_check.sh, in the priority order of issue #27: what only a GPU can show first.
+"""The phases of scripts/gpu_check.sh, in priority order: what only a GPU can show first (docs/gpu.md).
 
 Each phase is one shell command run from the repository root under ``timeout`` (its time box), so a run cut
 off by the device tool's 10-minute limit or by ``--minutes`` still reports every phase that finished.
@@ -27,7 +27,7 @@ PYTEST = "-m pytest -q -p no:cacheprovider --timeout 600"
 
 
 # The tests and benches compare fp32 results to 1e-4..1e-5: IEEE fp32 GEMMs, whatever the image's environment
-# forces (arrival.py records what it found; issue #27, defect 1).
+# forces (arrival.py records what it found; docs/gpu.md).
 IEEE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0"
 
 
@@ -75,10 +75,10 @@ PHASES: tuple[Phase, ...] = (
            "with and without checkpointing, ours vs built-in",
            "bench/train.py --dtype bf16 --widths 3072 --blocks 2 --size 1024 --steps 4 --warm-steps 1 --repeats 2",
            420),
-    _bench("bench-memory", "memory estimator (issue #29) vs torch.cuda.max_memory_allocated of the same step",
+    _bench("bench-memory", "memory estimator (docs/memory.md) vs torch.cuda.max_memory_allocated of the same step",
            "bench/memory.py --model cosmos-predict2-2b --size 512 --rank 8 --base bf16 --checkpointing --device cuda "
            "--json", 300, needs_text="--device"),
-    _bench("bench-block-swap", "block swap (issue #29): step time and peak memory at Flux width, 4 blocks, 2 swapped",
+    _bench("bench-block-swap", "block swap (docs/memory.md): step time and peak memory at Flux width, 4 blocks, 2 swapped",
            "bench/train.py --dtype bf16 --widths 3072 --blocks 4 --size 1024 --steps 4 --warm-steps 1 --repeats 1 "
            "--swap-blocks 2", 240, needs_text="--swap-blocks"),
 )
