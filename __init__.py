@@ -9,8 +9,15 @@ __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]
 
 
 async def comfy_entrypoint():
-    # Imported lazily: nodes/ is the only package that imports ComfyUI. The version gate comes first, so an
-    # unsupported ComfyUI gets the supported versions instead of an import error from deep inside.
+    # Imported lazily: nodes/ is the only package that imports ComfyUI. A second copy of the pack in
+    # custom_nodes/ (another folder name, or a link) registers nothing and names the folder to remove.
+    from .nodes.host.single_copy import skip_second_copy
+
+    second_copy = skip_second_copy(__file__)
+    if second_copy is not None:
+        return second_copy
+    # The version gate comes next, so an unsupported ComfyUI gets the supported versions instead of an
+    # import error from deep inside.
     from .nodes.host.comfy_compat import check_supported
 
     check_supported()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import glob
 import importlib.util
+import logging
 import os
 import shlex
 import shutil
@@ -22,6 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTS = os.path.join(ROOT, ".hosts")
 NEWEST_HOST = "0.33.0"
+log = logging.getLogger(__name__)
 
 
 def host_comfy_dir() -> str:
@@ -137,6 +139,13 @@ def cuda_available() -> bool:
     return probe.stdout.strip() == "True"
 
 
+def use_comfyui(comfy_dir: str) -> None:
+    """Import the ComfyUI in ``comfy_dir`` (a user's, found by a script) instead of the one ``host_comfy_dir``
+    picked. Call it before ``prepare``."""
+    global COMFY_DIR
+    COMFY_DIR = os.path.abspath(comfy_dir)
+
+
 def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
     """Put ComfyUI on sys.path, stub torchvision, and set ComfyUI's command line. Returns the ComfyUI dir.
 
@@ -167,14 +176,47 @@ def prepare(argv: list[str] | None = None, parse_args: bool = True) -> str:
     return COMFY_DIR
 
 
+def _single_copy():
+    """The pack's nodes/host/single_copy.py (standard library only), loaded by path: what counts as a copy of
+    the pack is decided in one place, for the scripts' links and for the pack's own check at start-up."""
+    name = "precision_lora_single_copy"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "nodes", "host", "single_copy.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def installed_copy(custom_nodes: str) -> str | None:
+    """The entry of a ``custom_nodes`` folder that is this pack, under any folder name: this checkout (or a
+    link to it) first, else another copy of the pack (same pyproject project); None if there is none. A link
+    named ``PACK_NAME`` to another place counts as none: ``link_pack`` wrote it and re-points it."""
+    copies = _single_copy().pack_copies(custom_nodes, ROOT)
+    here = [c for c in copies if os.path.realpath(c) == os.path.realpath(ROOT)]
+    others = [c for c in copies if not (os.path.islink(c) and os.path.basename(c) == PACK_NAME)]
+    return (here or others or [None])[0]
+
+
 def link_pack(base_dir: str) -> str:
-    """Make <base>/custom_nodes/<pack> a symlink to this checkout (idempotent). Returns the link path."""
+    """The folder of ``<base>/custom_nodes`` that ComfyUI loads this pack from. When the pack is there
+    already, under any name (a clone ``ComfyUI-Precision-LoRA``, a link), that folder, and nothing is written:
+    a second link would make ComfyUI import the pack twice. Otherwise ``custom_nodes/<PACK_NAME>``, made a
+    link to this checkout (idempotent)."""
     custom = os.path.join(base_dir, "custom_nodes")
     os.makedirs(custom, exist_ok=True)
+    present = installed_copy(custom)
+    if present is not None:
+        if os.path.realpath(present) != os.path.realpath(ROOT):
+            log.warning("[Precision LoRA] %s is another copy of this pack; this checkout (%s) is not linked "
+                        "beside it, so ComfyUI loads that copy", present, ROOT)
+        return present
     link = os.path.join(custom, PACK_NAME)
-    if os.path.islink(link) and os.path.realpath(link) == os.path.realpath(ROOT):
-        return link
+    if os.path.lexists(link) and not os.path.islink(link):
+        raise RuntimeError(f"[Precision LoRA] {link} exists and is not this pack; move it away to link the pack")
     if os.path.lexists(link):
+        log.warning("[Precision LoRA] %s pointed to %s; it now points to this checkout, %s",
+                    link, os.path.realpath(link), ROOT)
         os.remove(link)
     os.symlink(ROOT, link)
     return link
@@ -244,20 +286,39 @@ def comfy_nodes_module():
     return nodes
 
 
-def load_pack_in_process(base_dir: str):
+def _loaded_pack(comfy_nodes):
+    """This checkout as ComfyUI already loaded it in this process (from any folder), or None."""
+    for folder in comfy_nodes.LOADED_MODULE_DIRS.values():
+        if os.path.realpath(folder) == os.path.realpath(ROOT):
+            module = sys.modules.get(folder.replace(".", "_x_"))
+            if module is not None:
+                return module
+    return None
+
+
+def load_pack_in_process(base_dir: str, link: bool = True):
     """Load this pack through ComfyUI's own custom-node loader; returns the pack's module.
 
-    Sub-modules are then importable as ``<returned module>.__name__ + ".nodes.x"``.
+    Sub-modules are then importable as ``<returned module>.__name__ + ".nodes.x"``. The pack is loaded once
+    per process. From ``<base>/custom_nodes`` where it is there (under any folder name); else, with ``link``,
+    from a link written there (``link_pack``), or without, from this checkout where it is: nothing is written
+    into ``custom_nodes/``.
     """
     import asyncio
 
     init_in_process(base_dir)
     comfy_nodes = comfy_nodes_module()
-
-    link = link_pack(os.path.abspath(base_dir))
-    name = link.replace(".", "_x_")
-    if name not in sys.modules:
-        ok = asyncio.run(comfy_nodes.load_custom_node(link))
-        if not ok:
-            raise RuntimeError(f"comfyui-precision-lora: ComfyUI failed to load the pack from {link}")
-    return sys.modules[name]
+    loaded = _loaded_pack(comfy_nodes)
+    if loaded is not None:
+        return loaded
+    base = os.path.abspath(base_dir)
+    present = installed_copy(os.path.join(base, "custom_nodes"))
+    if link:
+        path = link_pack(base)
+    elif present is not None and os.path.realpath(present) == os.path.realpath(ROOT):
+        path = present
+    else:
+        path = ROOT
+    if not asyncio.run(comfy_nodes.load_custom_node(path)):
+        raise RuntimeError(f"comfyui-precision-lora: ComfyUI failed to load the pack from {path}")
+    return sys.modules[path.replace(".", "_x_")]
