@@ -255,6 +255,7 @@ class _StandInServer:
         self.last_node_id = None
         self.last_prompt_id = None
         self.routes = web.RouteTableDef()
+        self.app = web.Application()  # packs that add routes at import (ComfyUI-KJNodes' static folder)
         self.supports = set()
         # ComfyUI 0.33's built-in nodes register node replacements on the server at load: nothing to replace
         # without a frontend, but the call must not fail (it printed an error on every in-process start).

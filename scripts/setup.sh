@@ -10,6 +10,7 @@ cd "$ROOT"
 source "$ROOT/scripts/hosts.sh"
 CONSTRAINTS="$ROOT/scripts/constraints.txt"
 TEST_REQS="$ROOT/scripts/test-requirements.txt"
+OTHER_PACKS_REQS="$ROOT/scripts/hosts/other_packs.txt"
 log() { printf '[precision-lora setup] %s\n' "$*"; }
 # pip.conf here names local index folders that may not exist; drop that noise, keep real errors.
 quiet_pip() { "$HOST_PY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
@@ -59,7 +60,7 @@ setup_shipped_host() {
   mkdir -p "$HOSTS_ROOT/$HOST_NAME"
   [ -x "$HOST_PY" ] || { log "creating $HOST_VENV"; python3 -m venv "$HOST_VENV"; }
   local stamp="$HOST_VENV/.precision_lora_deps" want
-  want="$(cat "$HOST_LOCK" "$CONSTRAINTS" "$TEST_REQS" "$ROOT/requirements.txt" | sha1sum | cut -c1-16)"
+  want="$(cat "$HOST_LOCK" "$CONSTRAINTS" "$TEST_REQS" "$ROOT/requirements.txt" "$OTHER_PACKS_REQS" | sha1sum | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "ComfyUI $HOST_NAME: installing torch==2.13.0 (CPU) and its runtime requirements (a few minutes the first time)"
     quiet_pip install -q --upgrade pip wheel >/dev/null
@@ -67,6 +68,8 @@ setup_shipped_host() {
     quiet_pip install -q -c "$CONSTRAINTS" -r "$HOST_LOCK"
     quiet_pip install -q -c "$CONSTRAINTS" -r "$ROOT/requirements.txt"  # the pack's own, as a user installs them
     quiet_pip install -q -c "$CONSTRAINTS" -r "$TEST_REQS"
+    # the other packs the tests install beside this one (ComfyUI-GGUF, ComfyUI-KJNodes: ../shared/custom_nodes)
+    quiet_pip install -q -c "$CONSTRAINTS" -c "$HOST_LOCK" -r "$OTHER_PACKS_REQS"
     # torchvision: only its pure-Python parts are used by ComfyUI; the CUDA-linked wheel's C++ ops are
     # replaced by schema stubs in scripts/comfy_bootstrap.py (never by editing site-packages).
     quiet_pip install -q --no-deps -c "$CONSTRAINTS" torchvision
@@ -79,7 +82,7 @@ setup_shipped_host() {
 }
 
 setup_custom_host() {
-  log "using your ComfyUI at $HOST_COMFY with $HOST_PY (nothing is written into it but custom_nodes/ link)"
+  log "using your ComfyUI at $HOST_COMFY with $HOST_PY (nothing is written into it but a link custom_nodes/comfyui-precision-lora, and none when the pack is in its custom_nodes/ already)"
   "$HOST_PY" -c "import torch" 2>/dev/null || {
     log "$HOST_PY cannot import torch: set COMFYUI_PYTHON to the Python your ComfyUI runs with"; exit 1; }
 }
@@ -120,6 +123,20 @@ if command -v npm >/dev/null 2>&1 && [ -f "$ROOT/tests/browser/package.json" ]; 
   if [ ! -d "$ROOT/tests/browser/node_modules/playwright-core" ]; then
     log "npm install playwright-core (tests/browser)"
     (cd "$ROOT/tests/browser" && npm install --no-audit --no-fund --silent)
+  fi
+fi
+# comfy-cli, for `comfy node validate` (the Comfy Registry's publishing checks, run by tests/unit/test_pack_metadata.py):
+# in its own venv, .hosts/tools/venv, so its requirements never touch a host's pinned ComfyUI packages. Pinned with
+# the ruff it runs, so the checks do not change under the tests.
+TOOLS_VENV="$HOSTS_ROOT/tools/venv" TOOLS_WANT="comfy-cli==1.23.0 ruff==0.17.6"
+if [ "$(cat "$TOOLS_VENV/.precision_lora_tools" 2>/dev/null)" != "$TOOLS_WANT" ]; then
+  log "installing $TOOLS_WANT into $TOOLS_VENV"
+  [ -x "$TOOLS_VENV/bin/python" ] || { mkdir -p "$HOSTS_ROOT/tools"; python3 -m venv "$TOOLS_VENV"; }
+  # shellcheck disable=SC2086  # TOOLS_WANT is two requirement words
+  if "$TOOLS_VENV/bin/python" -m pip install -q $TOOLS_WANT 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); then
+    echo "$TOOLS_WANT" > "$TOOLS_VENV/.precision_lora_tools"
+  else
+    log "pip install $TOOLS_WANT failed: tests/unit/test_pack_metadata.py's validate test will fail until it installs"
   fi
 fi
 log "ready: ${hosts[*]}"

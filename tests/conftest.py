@@ -43,7 +43,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory):
-    """One real ComfyUI server (this pack + tiny demo models) for the whole session (e2e and browser)."""
+    """One real ComfyUI server (this pack + tiny demo models) for the whole session (e2e and browser), with the
+    other packs users commonly run beside it (ComfyUI-GGUF, ComfyUI-KJNodes: tests/other_packs.py) installed."""
+    import other_packs
     from server_harness import ComfyServer
 
     base = str(tmp_path_factory.mktemp("comfy_server_base"))
@@ -53,6 +55,7 @@ def comfy_server(tmp_path_factory):
     os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)
     for standin in sorted(glob.glob(os.path.join(TESTS, "*_standin.py"))):
         os.symlink(standin, os.path.join(base, "custom_nodes", "precision_" + os.path.basename(standin)))
+    other_packs.install(base)
     server = ComfyServer.start(base)
     try:
         errors = server.pack_import_errors()
