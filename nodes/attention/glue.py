@@ -27,11 +27,13 @@ from typing import Any, Callable
 import comfy.patcher_extension
 import torch
 
-from ...attention.config import AttentionConfig
+from ...attention.config import AUTO_BACKEND, AttentionConfig
 from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ...attention.stats import AttentionStats
 from ..host.comfy_compat import has_backward
-from .reach import WRAPPER_KEY, ConditioningInjection, inside_attention, reach_wrapper
+from .other_overrides import ChainedKernel, describe_override
+from .reach import (PATCH_KEY, WRAPPER_KEY, ConditioningInjection, inside_attention, is_inside, reach_wrapper,
+                    resolve_options)
 
 log = logging.getLogger(__name__)
 
@@ -117,16 +119,25 @@ class PrecisionAttentionOverride:
     model options per clone), so clones share its dispatcher and statistics.
 
     ``observer``: handed every call (as the dispatcher resolved it) before it runs; the probe's twin sets it.
+    ``previous``: another pack's override that was on the model (or was set on it later in the graph), which
+    this one keeps: with backend ``auto`` it runs each call as the kernel, with the scale folded into q
+    (``other_overrides.ChainedKernel``); an explicitly chosen backend runs instead of it (the node says so).
+    ``calls()`` counts the calls this override ran and those it handed to ``previous``.
     """
 
+    precision_lora_override = True  # reach.is_pack_override
+
     def __init__(self, cfg: AttentionConfig, stats: AttentionStats | None = None,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, previous: Callable[..., torch.Tensor] | None = None) -> None:
         self.dispatcher = AttentionDispatcher(cfg, stats)
         self.observer = observer
+        self.previous = previous
         self._label_lock = threading.Lock()
         self._last_options: dict | None = None
         self._call_index = 0
         self._unreached: dict[str, int] = {}
+        self._counts = {"calls": 0, "previous": 0}
+        self._composed: dict[int, PrecisionAttentionOverride] = {}
 
     @property
     def cfg(self) -> AttentionConfig:
@@ -135,20 +146,50 @@ class PrecisionAttentionOverride:
     def __deepcopy__(self, memo: dict) -> PrecisionAttentionOverride:
         return self
 
-    def observed_by(self, observer: Observer) -> PrecisionAttentionOverride:
-        """A twin that shares this override's dispatcher (settings, statistics, warnings) and hands every
-        call to ``observer`` as well."""
-        twin = PrecisionAttentionOverride(self.cfg, observer=observer)
-        twin.dispatcher = self.dispatcher
-        twin._unreached = self._unreached
+    def _twin(self, observer: Observer | None, previous: Callable[..., torch.Tensor] | None) -> PrecisionAttentionOverride:
+        """Shares this override's dispatcher (settings, statistics, warnings), call counts and unreached calls."""
+        twin = PrecisionAttentionOverride(self.cfg, observer=observer, previous=previous)
+        twin.dispatcher, twin._unreached, twin._counts = self.dispatcher, self._unreached, self._counts
         return twin
+
+    def observed_by(self, observer: Observer) -> PrecisionAttentionOverride:
+        """A twin that hands every call to ``observer`` as well."""
+        return self._twin(observer, self.previous)
+
+    def over(self, previous: Callable[..., torch.Tensor]) -> PrecisionAttentionOverride:
+        """This override composed over ``previous`` (another pack's, set on the model after Patch Attention): the
+        same twin for the same ``previous``, so a forward and its checkpointed recomputation share it."""
+        with self._label_lock:
+            twin = self._composed.get(id(previous))
+            if twin is not None and twin.previous is previous:
+                return twin
+            twin = self._composed[id(previous)] = self._twin(self.observer, previous)
+        log.warning("[Precision LoRA] attention: %s was set on the model after Patch Attention (Precision); the "
+                    "pack's override stays: %s", describe_override(previous), composition_note(twin))
+        return twin
+
+    def calls(self) -> dict[str, int]:
+        """{"calls": attention calls this override ran, "previous": of them, those run by ``previous``}."""
+        with self._label_lock:
+            return dict(self._counts)
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        if is_inside():  # called again from within this call (an override chaining to the one it replaced, as
+            return func(q, k, v, heads, *rest, **kwargs)  # ComfyUI's newer ones do): the scale is applied once
+        with self._label_lock:
+            self._counts["calls"] += 1
+        kernel = func
+        if self.previous is not None and self.cfg.backend == AUTO_BACKEND:
+            kernel = ChainedKernel(self.previous, func, self._count_previous)
         with inside_attention():  # the kernels below may call SDPA: not a direct call of the model's
             if self.cfg.is_default() and self.observer is None:
-                return func(q, k, v, heads, *rest, **kwargs)
-            return self._run(func, q, k, v, heads, rest, kwargs)
+                return kernel(q, k, v, heads, *rest, **kwargs)
+            return self._run(kernel, q, k, v, heads, rest, kwargs)
+
+    def _count_previous(self) -> None:
+        with self._label_lock:
+            self._counts["previous"] += 1
 
     def note_unreached(self, reason: str) -> None:
         """Count an attention call of the patched model that runs without the override (``reach.py``)."""
@@ -202,7 +243,11 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     """
     clone = model.clone()
     options = clone.model_options.setdefault("transformer_options", {})
-    options[OVERRIDE_KEY] = PrecisionAttentionOverride(cfg)
+    override = PrecisionAttentionOverride(cfg, previous=_previous_override(options))
+    if override.previous is not None:
+        log.info("[Precision LoRA] attention: the override already on the model, %s, is kept: %s",
+                 describe_override(override.previous), composition_note(override))
+    options[OVERRIDE_KEY] = options[PATCH_KEY] = override
     # Calls made without transformer_options, or straight to SDPA, reach the override too (reach.py). The
     # wrapper sits in the options themselves (copied, never shared with the source model): sampling and
     # the training step both call apply_model with them.
@@ -218,10 +263,40 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     return clone
 
 
+def _previous_override(options: dict) -> Callable[..., torch.Tensor] | None:
+    """The other pack's override a new patch keeps: the one in the slot, or, when the slot holds the pack's own
+    (patched twice, e.g. Load LoRA (Precision) applying a file's settings), the one that one kept."""
+    current = options.get(OVERRIDE_KEY)
+    return current.previous if isinstance(current, PrecisionAttentionOverride) else current
+
+
+def composition_note(override: PrecisionAttentionOverride) -> str:
+    """How ``override`` treats the other pack's override it keeps (for the node text and the log)."""
+    name = describe_override(override.previous)
+    if override.cfg.backend == AUTO_BACKEND:
+        return (f"{name} runs each attention call as the kernel, with this node's softmax scale folded into q "
+                "(training refuses it at its first call if its output carries no gradient)")
+    return (f"{name} is NOT called: backend {override.cfg.backend!r} was chosen and replaces it; choose backend "
+            "auto to keep it as the kernel")
+
+
 def _override(model: Any) -> PrecisionAttentionOverride | None:
-    options = getattr(model, "model_options", {}).get("transformer_options", {})
+    """The pack's override a forward of ``model`` runs with (composed over a later one: ``resolve_options``)."""
+    options = resolve_options(getattr(model, "model_options", {}).get("transformer_options", {})) or {}
     override = options.get(OVERRIDE_KEY)
     return override if isinstance(override, PrecisionAttentionOverride) else None
+
+
+def get_attention_override(model: Any) -> PrecisionAttentionOverride | None:
+    """The pack's override ``model`` runs with (composed with another pack's, where one is set), or None."""
+    return _override(model)
+
+
+def foreign_override(model: Any) -> Callable[..., torch.Tensor] | None:
+    """Another pack's override on ``model`` that the pack does not run under its own (no Patch Attention)."""
+    options = getattr(model, "model_options", {}).get("transformer_options", {})
+    current = options.get(OVERRIDE_KEY)
+    return None if current is None or _override(model) is not None else current
 
 
 def get_attention_config(model: Any) -> AttentionConfig | None:

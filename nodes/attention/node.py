@@ -8,7 +8,7 @@ from ...attention.backends import BACKENDS, available
 from ...attention.config import (
     AUTO_BACKEND, SCALE_MODES, STABLE_BETA_RANGE, AttentionConfig, default_scale, usable_backends,
 )
-from .glue import patch_attention
+from .glue import composition_note, get_attention_override, patch_attention
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
 from ..model.info import describe_model
@@ -32,9 +32,12 @@ def build_config(values: Mapping[str, object]) -> AttentionConfig:
     return cfg
 
 
-def describe_patch(cfg: AttentionConfig, head_dim: int | None) -> str:
-    """The info output: backend, resolved scale for the model's head_dim, options."""
+def describe_patch(cfg: AttentionConfig, head_dim: int | None, kept: str | None = None) -> str:
+    """The info output: backend, resolved scale for the model's head_dim, options; ``kept``: how the override
+    another pack had set on the model is treated (``glue.composition_note``)."""
     lines = [f"backend: {cfg.backend}" + (" (ComfyUI's own attention)" if cfg.backend == AUTO_BACKEND else "")]
+    if kept is not None:
+        lines.append(f"another override was on the model: {kept}")
     if head_dim:
         scale, default = cfg.resolve_scale(head_dim), default_scale(head_dim)
         lines.append(f"softmax scale: {scale:.6g} for head_dim {head_dim} ({scale / default:.4g} x default {default:.6g})")
@@ -51,6 +54,9 @@ def describe_patch(cfg: AttentionConfig, head_dim: int | None) -> str:
         lines.append("fp32 softmax: on")
     if cfg.backend == "sage":
         lines.append("sage is inference only: training through it raises an error")
+    lines.append("an attention override set later in the graph (e.g. KJNodes' Patch Sage Attention) does not drop "
+                 "this one: it runs as the kernel under it (backend auto) or is not called (other backends); Train "
+                 "LoRA's report and the saved LoRA say what ran")
     return "\n".join(lines)
 
 
@@ -115,7 +121,9 @@ class PrecisionPatchAttention(PrecisionNode):
         except ValueError as exc:
             raise ValueError(f"[Precision LoRA] {NODE}: {exc}") from None
         patched = patch_attention(model, cfg)
-        info = describe_patch(cfg, describe_model(model).head_dim)
+        override = get_attention_override(patched)
+        kept = composition_note(override) if override is not None and override.previous is not None else None
+        info = describe_patch(cfg, describe_model(model).head_dim, kept)
         log.info("[Precision LoRA] %s: %s", NODE, info.replace("\n", "; "))
         return io.NodeOutput(patched, info)
 

@@ -53,11 +53,48 @@ from typing import Any, Callable, Iterator
 import torch
 
 WRAPPER_KEY = "precision_lora_attention_reach"
+OVERRIDE_KEY = "optimized_attention_override"
+PATCH_KEY = "precision_lora_attention"  # the pack's own override, kept beside whatever override is in the slot
 _OPTIONS: ContextVar[dict | None] = ContextVar("precision_lora_attention_options", default=None)
 _INSIDE: ContextVar[bool] = ContextVar("precision_lora_inside_attention", default=False)
 _lock = threading.Lock()
 _state: dict[str, Any] = {"depth": 0, "saved": [], "process_wide": []}
 _ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+class CallCount:
+    """Attention calls the model's code made while the shims were in place (``counting``): calls of ComfyUI's
+    attention functions and direct SDPA calls, not the calls an override makes to its own kernels."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+_COUNTS: list[CallCount] = []
+
+
+def _count_call() -> None:
+    for count in list(_COUNTS):
+        count.calls += 1
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[CallCount]:
+    """Counts the model's attention calls within the block (any thread): what the pack's override saw is
+    compared with it (the training report, the saved LoRA's metadata)."""
+    count = CallCount()
+    with _lock:
+        _COUNTS.append(count)
+    try:
+        yield count
+    finally:
+        with _lock:
+            _COUNTS.remove(count)
+
+
+def is_inside() -> bool:
+    """True within an override's call (``inside_attention``)."""
+    return _INSIDE.get()
 
 
 @contextlib.contextmanager
@@ -88,13 +125,21 @@ def _active_options() -> dict | None:
 
 
 class _OptionsShim:
-    """ComfyUI attention function that adds the running forward's transformer_options to calls without."""
+    """ComfyUI attention function that adds the running forward's transformer_options to calls without.
+
+    ``__wrapped__`` stays what the replaced function's is (ComfyUI's undecorated backend, under ``wrap_attn``):
+    other packs' overrides call ``attention_pytorch.__wrapped__`` to reach the kernel itself (ComfyUI-KJNodes'
+    sdpa override), and must not get the decorated function back, which would hand the call to the override
+    again."""
 
     def __init__(self, func: Callable[..., torch.Tensor]) -> None:
         self.func = func
         functools.update_wrapper(self, func)
+        self.__wrapped__ = getattr(func, "__wrapped__", func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not _INSIDE.get():
+            _count_call()
         options = _active_options()
         given = kwargs.get("transformer_options")
         if options is not None and not given:
@@ -138,6 +183,8 @@ def _sdpa_shim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
                enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
     options = _active_options()
     override = None if options is None or _INSIDE.get() else options.get("optimized_attention_override")
+    if override is not None:
+        _count_call()
     if override is None or kwargs:
         extra = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
         return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -190,11 +237,32 @@ def _uninstall() -> None:
         _state["saved"] = []
 
 
+def is_pack_override(override: Any) -> bool:
+    """The pack's own override (``glue.PrecisionAttentionOverride``, or one composed over another pack's)."""
+    return bool(getattr(override, "precision_lora_override", False))
+
+
+def resolve_options(options: dict | None) -> dict | None:
+    """The transformer_options a forward runs with: ``options`` itself, or, when another node replaced the pack's
+    override after Patch Attention (ComfyUI-KJNodes' Patch Sage Attention, NABLA attention, ...), a copy whose
+    override is the pack's composed over that one (``PrecisionAttentionOverride.over``: the other override runs
+    as the kernel, the pack applies the scale). The pack's override stays in the options under ``PATCH_KEY``
+    through every clone (its deep copy is itself)."""
+    if not options:
+        return options
+    ours, current = options.get(PATCH_KEY), options.get(OVERRIDE_KEY)
+    if ours is None or current is None or is_pack_override(current):
+        return options
+    return {**options, OVERRIDE_KEY: ours.over(current)}
+
+
 @contextlib.contextmanager
 def reach_options(options: dict | None, process_wide: bool = False) -> Iterator[None]:
-    """Within the block, attention calls of this context reach the override in ``options``
-    (``process_wide``: also calls from threads without a forward of their own, see ``_active_options``)."""
-    if not options or "optimized_attention_override" not in options:
+    """Within the block, attention calls of this context reach the pack's override in ``options``
+    (``process_wide``: also calls from threads without a forward of their own, see ``_active_options``).
+    Nothing happens for options without the pack's override: another pack's override alone runs as ComfyUI
+    runs it (the shims would hand its own SDPA calls back to it: a recursion)."""
+    if not options or not is_pack_override(options.get(OVERRIDE_KEY)):
         yield
         return
     token = _OPTIONS.set(options)
@@ -213,20 +281,30 @@ def reach_options(options: dict | None, process_wide: bool = False) -> Iterator[
 
 
 def reach_context(model: Any) -> contextlib.AbstractContextManager[None]:
-    """``reach_options`` with a ModelPatcher's transformer_options, process-wide: around a training run,
-    so the blocks that activation checkpointing recomputes during the backward pass (after the forward
+    """``reach_options`` with a ModelPatcher's (resolved) transformer_options, process-wide: around a training
+    run, so the blocks that activation checkpointing recomputes during the backward pass (after the forward
     returned, possibly in autograd's worker threads) compute with the same attention as the forward."""
-    return reach_options(getattr(model, "model_options", {}).get("transformer_options"), process_wide=True)
+    return reach_options(resolve_options(getattr(model, "model_options", {}).get("transformer_options")),
+                         process_wide=True)
 
 
 def reach_wrapper(executor: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """ComfyUI apply_model wrapper (``WrappersMP.APPLY_MODEL``: every model class runs it, with
-    ``(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)``): the forward runs inside
-    ``reach_options`` of its transformer_options."""
-    options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
-    if _OPTIONS.get() is options:
+    ``(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)``): the forward runs with its
+    resolved transformer_options (``resolve_options``) inside ``reach_options`` of them."""
+    positional = "transformer_options" not in kwargs and len(args) > 5
+    options = args[5] if positional else kwargs.get("transformer_options")
+    resolved = resolve_options(options)
+    if resolved is not options:
+        if positional:
+            args = (*args[:5], resolved, *args[6:])
+        else:
+            kwargs["transformer_options"] = resolved
+    current = _OPTIONS.get()
+    if current is resolved or (current is not None and resolved is not None
+                               and current.get(OVERRIDE_KEY) is resolved.get(OVERRIDE_KEY)):
         return executor(*args, **kwargs)
-    with reach_options(options):
+    with reach_options(resolved):
         return executor(*args, **kwargs)
 
 

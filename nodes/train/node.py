@@ -26,6 +26,7 @@ from .ema_files import ema_writer
 from ..checks.graph import refusal
 from .budget import plan_budget
 from .glue import checkpoint_writer, fork_lora, model_fns, training_session
+from ..attention.run_report import attention_account
 from .jobs import finish_job, start_job, stopped_runs
 from .preview import PreviewStepHook, make_previewer, node_outputs
 from .states import continued_state, exploded_note, set_aside_exploded, training_metadata
@@ -407,11 +408,11 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan)
         lora_set.info["precision_lora_vram_plan"] = plan
         changes = (plan, *changes)
-    with training_session(model, lora_set, cfg) as device:
+    with training_session(model, lora_set, cfg) as device, attention_account(model) as attention:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
-        for line in report.lines():
+        for line in [*report.lines(), *attention.start_lines()]:
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
-        _show_on_node("\n".join([*report.lines(), *changes]), node_id)
+        _show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         start = state.step if state is not None else 0
         lora_set.info.update(training_metadata(cfg, report.sizes, report.samples, start + steps, seed if state is None
@@ -424,6 +425,8 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
             return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
         except ValueError as exc:
             raise _node_error("PrecisionTrainLoRA", exc) from exc
+        finally:
+            lora_set.info.update(attention.metadata())
 
 
 NODES = [PrecisionTrainSettings, PrecisionTrainLoRA]
