@@ -15,6 +15,7 @@ from ...lora.config import ADAPTER_KINDS, MAX_LOKR_FACTOR, MAX_RANK, PARAM_DTYPE
 from ...lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
 from ...lora.targets import preset_names
 from . import glue
+from .trained_over import missing_adapters, missing_note
 from ..checks.gate import PrecisionNode
 from ..host.types import TrainingStateType
 from ..host.comfy_io import io
@@ -259,6 +260,7 @@ class PrecisionLoadLoRA(PrecisionNode):
             ],
             outputs=[io.Model.Output(display_name="model", tooltip="The model with the LoRA (and attention settings)."),
                      io.String.Output(display_name="info", tooltip="What was applied.")],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -286,7 +288,13 @@ class PrecisionLoadLoRA(PrecisionNode):
             patched, note = glue.apply_attention_policy(patched, md, attention, override, name)
         except (ValueError, FileNotFoundError) as e:
             raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
-        return io.NodeOutput(patched, f"{lora_name}: {mode}, strength {strength}; {note}")
+        info = f"{lora_name}: {mode}, strength {strength}; {note}"
+        hidden = getattr(cls, "hidden", None)
+        missing = missing_adapters(md, getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
+        if missing:
+            info += "\n" + missing_note(lora_name, missing)
+            log.warning("[Precision LoRA] %s: %s", cls.NODE, missing_note(lora_name, missing))
+        return io.NodeOutput(patched, info)
 
 
 NODES = [PrecisionAttachLoRA, PrecisionSaveLoRA, PrecisionLoadLoRA]

@@ -27,6 +27,7 @@ from ..checks.graph import refusal
 from .budget import plan_budget
 from .glue import checkpoint_writer, fork_lora, model_fns, training_session
 from ..attention.run_report import attention_account
+from ..lora.trained_over import trained_over_metadata
 from .jobs import finish_job, start_job, stopped_runs
 from .preview import PreviewStepHook, make_previewer, node_outputs
 from .states import continued_state, exploded_note, set_aside_exploded, training_metadata
@@ -349,7 +350,7 @@ class PrecisionTrainLoRA(PrecisionNode):
                 io.Int.Output(display_name="steps", tooltip="Optimizer steps done in the whole run."),
                 io.Image.Output(display_name="previews", tooltip="The images of the latest preview (a black 64 x 64 image without 'preview')."),
             ],
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
         )
 
     @classmethod
@@ -363,6 +364,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         out, lora_set = fork_lora(model)
         hidden = getattr(cls, "hidden", None)
         node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
+        lora_set.info.update(trained_over_metadata(getattr(hidden, "prompt", None), node_id, model))
         start = state.step if state is not None else 0
         previewer = make_previewer(out, lora_set, preview, name, node_id, start, steps)
         job = start_job(node_id, prompt_id, [] if state is None else [
