@@ -124,16 +124,24 @@ def _no_recursion(view) -> None:
     assert "RecursionError" not in view.server.log_text()
 
 
+def _recorded_half(view) -> str:
+    """A LoRA trained under Patch Attention at 0.5x (its file records the scale), as the LoRA lists name it."""
+    trained, save = _train_graph("none", "recorded_half")
+    return os.path.relpath(view.saved_lora(view.run(trained), save)[0], view.path("models", "loras"))
+
+
 def test_train_lora_beside_nabla_in_every_order(view):
-    """Train LoRA (checkpointed) with NABLA alone, before and after Patch Attention: each run succeeds and its LoRA
-    says what ran."""
-    graphs = {p: _train_graph(p, f"nabla_{p}") for p in ("alone", "before", "after")}
+    """Train LoRA (checkpointed) with NABLA alone, before and after Patch Attention, and before Load LoRA
+    (Precision) applying a file's 0.5x scale: each run succeeds and its LoRA says what ran."""
+    lora = _recorded_half(view)
+    graphs = {p: _train_graph(p, f"nabla_{p}", lora) for p in ("alone", "before", "after", "before_load_lora")}
     entries = view.run_all({p: g for p, (g, _) in graphs.items()})
     _no_recursion(view)
     md = {p: view.saved_lora(entries[p], graphs[p][1])[2] for p in graphs}
     assert md["alone"]["precision_lora_attention_other_override"] == NABLA
     assert float(md["alone"]["ss_attn_softmax_scale"]) == pytest.approx(1 / math.sqrt(HEAD_DIM))
-    for p in ("before", "after"):
+    assert lora in md["before_load_lora"]["precision_lora_trained_over"]  # trained over the loaded LoRA
+    for p in ("before", "after", "before_load_lora"):
         ours, total = map(int, md[p]["precision_lora_attention_calls"].split("/"))
         assert ours == total > 0, md[p]
         assert md[p]["precision_lora_attention_kept_override"] == f"{NABLA}: kernel, {ours} calls"
@@ -143,8 +151,7 @@ def test_train_lora_beside_nabla_in_every_order(view):
 def test_ksampler_beside_nabla_in_every_order(view):
     """KSampler after NABLA and Patch Attention (both orders), after NABLA and Load LoRA (Precision) applying a
     file's recorded 0.5x scale, and NABLA alone: each equals the same graph without NABLA."""
-    trained, save = _train_graph("none", "recorded_half")
-    lora = os.path.relpath(view.saved_lora(view.run(trained), save)[0], view.path("models", "loras"))
+    lora = _recorded_half(view)
     placements = {"alone": "stock", "before": "none", "after": "none", "before_load_lora": "none_load_lora"}
     graphs = {p: _sample_graph(p, f"ks_{p}", lora) for p in placements}
     graphs.update({f"ref_{r}": _sample_graph(r, f"ks_ref_{r}", lora) for r in set(placements.values())})
