@@ -30,6 +30,11 @@ from ..host.comfy_io import io
 from .file_names import name_problem
 
 MAX_LISTED_OPTIONS = 12
+# Socket types whose real values are objects or hold tensors. A value typed into an API prompt (JSON: text, numbers,
+# lists and dicts of those) can never be one, yet ComfyUI hands such a literal to the node unchecked, which then
+# fails deep inside ("'str' object has no attribute 'clone'"). LOSS_MAP is left out: its real value is JSON-like.
+SOCKET_KINDS = frozenset({"MODEL", "CLIP", "VAE", "LATENT", "CONDITIONING", "IMAGE", "MASK", "AUDIO", "VIDEO",
+                          "TRAINING_STATE", "TRAIN_SETTINGS", "PREVIEW_SETTINGS"})
 
 
 def _options_text(options: list) -> str:
@@ -64,6 +69,9 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
         return f"is not an option; choose one of {_options_text(options)}"
     if kind == "BOOLEAN":
         return None if isinstance(value, bool) else "is not a boolean; use true or false"
+    if kind in SOCKET_KINDS and _typed_in(value):
+        return (f"is a value typed into the prompt, not a {kind}; connect a {kind} output to it (in an API prompt: "
+                "a link [node_id, output_index])")
     if kind == "STRING":
         if not isinstance(value, str):
             return f"is not text (got {type(value).__name__}); give a text value"
@@ -73,6 +81,18 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
         if file_name is not None:
             return name_problem(value, subfolders=file_name[0], empty_ok=file_name[1])
     return None
+
+
+def _typed_in(value: Any) -> bool:
+    """True for what JSON can hold (text, numbers, booleans, lists and dicts of them): a literal, never a socket's
+    real value (a ModelPatcher, a dict holding tensors, a list of [tensor, dict] pairs, a dataclass)."""
+    if isinstance(value, (str, int, float, bool)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_typed_in(v) for v in value)
+    if isinstance(value, dict):
+        return all(_typed_in(v) for v in value.values())
+    return False
 
 
 def _surrogate(text: str) -> str | None:

@@ -319,3 +319,37 @@ def test_the_frontends_api_prompt_path_gets_one_error_too(server):
     assert status == 400
     (error,) = node_errors(body, "5")
     assert error["extra_info"]["input_name"] == "weight_decay", error
+
+
+PATCH = dict(backend="auto", scale_mode="default", scale_value=1.0, stable_beta=2.0, softclamp=0.0, fp32_softmax=False)
+
+
+@pytest.mark.parametrize("literal, kind", [("x", "MODEL"), ({"samples": "x"}, "LATENT"), (3, "CONDITIONING")])
+def test_a_literal_where_a_socket_is_expected_is_refused_by_input_name(server, literal, kind):
+    """A value typed into an API prompt where a link belongs (a string as Patch Attention's model, a dict as Train
+    LoRA's latents) is refused at validation, naming node, input and type, instead of failing deep inside the node
+    ("'str' object has no attribute 'clone'")."""
+    prompt = {"1": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {"model_name": COSMOS, "weight_dtype": "fp32"}},
+              "2": {"class_type": "PrecisionDemoConditioning",
+                    "inputs": {"model": ["1", 0], "text": "x", "seed": 0, "tokens": 8}},
+              "3": {"class_type": "PrecisionDemoLatent",
+                    "inputs": {"model": ["1", 0], "width": 32, "height": 32, "batch_size": 1, "seed": 0}}}
+    if kind == "MODEL":
+        prompt["4"] = {"class_type": "PrecisionPatchAttention", "inputs": {"model": literal, **PATCH}}
+        prompt["5"] = {"class_type": "PreviewAny", "inputs": {"source": ["4", 1]}}
+        node, name = "4", "model"
+    else:
+        inputs = {"model": ["1", 0], "latents": ["3", 0], "conditioning": ["2", 0], "steps": 1, "seed": 0,
+                  "name": "literal_socket"}
+        name = "latents" if kind == "LATENT" else "conditioning"
+        inputs[name] = literal
+        prompt["4"] = {"class_type": "PrecisionTrainLoRA", "inputs": inputs}
+        prompt["5"] = {"class_type": "PrecisionSaveLoRA", "inputs": {
+            "model": ["4", 0], "filename_prefix": "literal_socket", "folder": "loras", "save_dtype": "fp32",
+            "key_style": "auto", "use_counter": True, "overwrite": False}}
+        node = "4"
+    status, body = post(server, prompt)
+    assert status == 400, body
+    messages = [e["details"] for e in node_errors(body, node)]
+    want = f"input '{name}'={literal!r} is a value typed into the prompt, not a {kind}; connect a {kind} output to it"
+    assert any(want in m for m in messages), messages
