@@ -1,8 +1,11 @@
 """NaN/inf guard: skip bad steps, roll back after ``patience`` bad steps in a row, never save non-finite.
 
-A step is bad when its loss or any gradient is non-finite (checked before the optimizer step), or when
-a parameter is non-finite after it. Bad steps leave the parameters and optimizer untouched where that is
-possible (gradients are dropped); ``patience`` bad steps in a row restore the last good snapshot.
+A step is bad when its loss or any gradient is non-finite (checked before the optimizer step: the step is
+**skipped**, and the LoRA, the optimizer state and the EMA stay exactly as the last good step left them), or
+when a parameter is non-finite after the update (the step is already applied: the last snapshot is restored
+at once). ``patience`` bad steps in a row restore the last snapshot (policy "rollback") or end the run with
+the state of the last good step (policy "stop"). Snapshots are taken every ``snapshot_every`` steps, so a
+**rollback** discards the good steps since its snapshot; ``discarded`` counts them and the log names them.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def assert_finite(obj: Any, what: str) -> None:
 
 @dataclass
 class Snapshot:
-    """Copies (not views) of the parameters and the optimizer state at a good step."""
+    """Copies (not views) of the guarded tensors (the optimizer's parameters, then the EMA) and of the
+    optimizer state at a good step."""
 
     step: int
     params: list[torch.Tensor]
@@ -50,7 +54,10 @@ class Snapshot:
 
 @dataclass
 class NanGuard:
-    """Counts bad steps and holds the last good snapshot. ``snapshot_every`` good steps refresh it."""
+    """Counts bad steps and holds the last good snapshot. ``snapshot_every`` good steps refresh it.
+
+    ``tensors`` (every method): what a snapshot keeps and a rollback restores, in a fixed order: the
+    optimizer's parameters, then anything else that follows them (the EMA shadow)."""
 
     patience: int
     policy: str = "rollback"
@@ -58,48 +65,67 @@ class NanGuard:
     streak: int = 0
     skipped: int = 0
     rollbacks: int = 0
+    discarded: int = 0        # good steps thrown away by rollbacks (those between a snapshot and its restore)
+    since_snapshot: int = 0   # good steps since the last snapshot: what a rollback now would discard
     events: list[str] = field(default_factory=list)
     last_good: Snapshot | None = None
 
-    def snapshot(self, step: int, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
-        """Copy parameters and optimizer state to the CPU (the old snapshot is dropped first, so there are
+    def snapshot(self, step: int, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Copy ``tensors`` and the optimizer state to the CPU (the old snapshot is dropped first, so there are
         never two; on a GPU the snapshot costs host memory, not device memory)."""
         self.last_good = None
-        self.last_good = Snapshot(step, [to_cpu(p) for p in params], to_cpu(optimizer.state_dict()))
+        self.last_good = Snapshot(step, [to_cpu(t) for t in tensors], to_cpu(optimizer.state_dict()))
+        self.since_snapshot = 0
 
-    def maybe_snapshot(self, step: int, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def maybe_snapshot(self, step: int, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         if self.last_good is None or step - self.last_good.step >= self.snapshot_every:
-            self.snapshot(step, params, optimizer)
+            self.snapshot(step, tensors, optimizer)
 
     def good(self) -> None:
         self.streak = 0
+        self.since_snapshot += 1
 
-    def bad(self, step: int, why: str, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> str:
-        """Record a bad step. Returns "skip", "rollback" (already restored) or "stop"."""
+    def bad(self, step: int, why: str, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+            applied: bool = False) -> str:
+        """Record bad step ``step`` (0-based). ``applied``: the optimizer already took it, so the snapshot is
+        restored now, whatever the streak. Returns "skip" (nothing was changed), "rollback" (the snapshot was
+        restored) or "stop" (the policy's end of the run; the state is the last good step's, or the snapshot's
+        when this step was applied)."""
         self.streak += 1
         self.skipped += 1
-        msg = f"step {step + 1}: {why}; skipped ({self.streak} in a row)"
-        self.events.append(msg)
-        log.warning("[Precision LoRA] NaN guard: %s", msg)
+        self._note(f"step {step + 1}: {why}; skipped ({self.streak} in a row)")
+        if applied:
+            self.roll_back(tensors, optimizer)
         if self.streak < self.patience:
-            return "skip"
+            return "rollback" if applied else "skip"
         if self.policy == "stop":
-            self.restore(params, optimizer)
             return "stop"
-        self.restore(params, optimizer)
-        self.rollbacks += 1
+        if not applied:
+            self.roll_back(tensors, optimizer)
         self.streak = 0
         return "rollback"
 
-    def restore(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def roll_back(self, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Restore the last snapshot: the good steps since it are discarded (counted and logged)."""
+        snap = self.restore(tensors, optimizer)
+        self.rollbacks += 1
+        self.discarded += self.since_snapshot
+        self._note(f"rolled back to the state after step {snap.step}, discarding the {self.since_snapshot} "
+                   "good steps since it")
+        self.since_snapshot = 0
+
+    def restore(self, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Snapshot:
+        """Copy the last snapshot into ``tensors`` and the optimizer; returns it."""
         if self.last_good is None:
             raise NonFiniteError("[Precision LoRA] NaN guard: no good state to roll back to")
         with torch.no_grad():
-            for p, saved in zip(params, self.last_good.params):
-                p.copy_(saved)
+            for t, saved in zip(tensors, self.last_good.params, strict=True):
+                t.copy_(saved)
         # load_state_dict moves the state to the parameters' device; on the CPU it would share the snapshot's
         # tensors (and the optimizer would then update the snapshot in place), so it gets a copy
         optimizer.load_state_dict(to_cpu(self.last_good.optimizer))
-        msg = f"rolled back to the state after step {self.last_good.step}"
+        return self.last_good
+
+    def _note(self, msg: str) -> None:
         self.events.append(msg)
         log.warning("[Precision LoRA] NaN guard: %s", msg)

@@ -153,9 +153,14 @@ class _Run:
         if parallel is not None:  # every rank starts from rank 0's LoRA (and masters)
             parallel.broadcast_([*module.parameters(), *(m for _, m in self.masters.masters())])
         self.views = self._views(state)
-        self.guard.snapshot(self.step, self.params, self.optimizer)
+        self.guard.snapshot(self.step, self.guarded(), self.optimizer)
 
     # ---- state ----
+    def guarded(self) -> list[torch.Tensor]:
+        """What the NaN guard's snapshots keep and its rollbacks restore (besides the optimizer state): the
+        optimizer's parameters (fp32 values or masters), then the EMA shadow."""
+        return [*self.params, *([] if self.views.ema is None else self.views.ema.values())]
+
     def _views(self, state: TrainingState | None) -> WeightViews:
         """The EMA (from the state, or started at the current weights) and the views previews and saves use."""
         s, pairs = self.s, list(self.masters.masters())
@@ -294,7 +299,8 @@ class _Run:
         return loss, dop, sum(sigmas) / len(sigmas)
 
     def one_step(self) -> tuple[dict[str, Any], str]:
-        """1. lr  2. accumulate  3. guard  4. clip + step  5. record. Returns (history point, guard outcome)."""
+        """1. lr  2. accumulate  3. guard + clip + step  4. masters, EMA, snapshot  5. record.
+        Returns (history point, outcome: "ok", "dropped" or the guard's "skip" / "rollback" / "stop")."""
         s = self.s
         self._step_start = (self.gen.get_state(), _get_extra_rng(self.module))
         lr = apply_lr(self.optimizer, lr_multiplier(self.step, s.schedule))
@@ -306,29 +312,19 @@ class _Run:
         self.masters.pull_grads()
         if self.parallel is not None:  # every rank now holds the global batch's gradient and loss
             loss, dop = self.parallel.reduce(self.params, [loss, dop])
-        outcome = "ok"
-        norm = _total_norm([p.grad for p in self.params if p.grad is not None])
-        if all(p.grad is None for p in self.params):
-            outcome = "dropped"  # module_dropout dropped every adapter: nothing to update, state kept as is
-        elif not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
-            outcome = self.guard.bad(self.step, "non-finite loss or gradient", self.params, self.optimizer)
-        else:
-            if s.max_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(self.params, s.max_grad_norm, norm)
-            self.optimizer.step()
-            if not bool(torch.isfinite(_total_norm(self.params))):
-                self.guard.restore(self.params, self.optimizer)
-                outcome = self.guard.bad(self.step, "parameters non-finite after the update (restored)",
-                                         self.params, self.optimizer)
+        rollbacks = self.guard.rollbacks
+        outcome = self._update(loss, dop)
         self.optimizer.zero_grad(set_to_none=True)
-        if outcome != "dropped":  # re-rounding unchanged masters would still move low-precision weights
+        # Only an update or a restore moves the masters: re-rounding unchanged ones (a skipped or dropped step)
+        # would still move low-precision weights
+        if outcome == "ok" or self.guard.rollbacks != rollbacks:
             self.masters.push()
         self.step += 1
-        if self.views.ema is not None:
+        if self.views.ema is not None and outcome in ("ok", "dropped"):  # a bad step leaves the EMA as it was
             self.views.ema.update(self.step)
         if outcome == "ok":
             self.guard.good()
-            self.guard.maybe_snapshot(self.step, self.params, self.optimizer)
+            self.guard.maybe_snapshot(self.step, self.guarded(), self.optimizer)
         # A step whose adapters were all dropped still measured its loss (under module dropout, like any step)
         measured = outcome in ("ok", "dropped")
         point = {"step": self.step, "loss": float(loss) if measured else None, "lr": lr, "sigma": sigma,
@@ -336,6 +332,24 @@ class _Run:
                  "dropped": outcome == "dropped"}
         self.history.append(point)
         return point, outcome
+
+    def _update(self, loss: torch.Tensor, dop: torch.Tensor) -> str:
+        """Clip and step when the loss and every gradient are finite. The optimizer never sees a non-finite
+        gradient: such a step is the guard's (skipped, so nothing moves). "dropped": module_dropout dropped
+        every adapter (no gradient: nothing to update, the state is kept as it is)."""
+        if all(p.grad is None for p in self.params):
+            return "dropped"
+        norm = _total_norm([p.grad for p in self.params if p.grad is not None])
+        if not (all_finite([loss, dop]) and bool(torch.isfinite(norm))):  # one sync for every gradient
+            return self.guard.bad(self.step, "non-finite loss or gradient", self.guarded(), self.optimizer)
+        if self.s.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.s.max_grad_norm, norm)
+        self.optimizer.step()
+        if bool(torch.isfinite(_total_norm(self.params))):
+            return "ok"
+        # finite gradients, non-finite parameters (an overflow inside the optimizer): the update is applied
+        return self.guard.bad(self.step, "parameters non-finite after the update", self.guarded(), self.optimizer,
+                              applied=True)
 
 
 @torch.no_grad()
@@ -386,7 +400,7 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     was_training = module.training
     run = _Run(module, data, fns, settings, seed, state, parallel)
     result = RunResult()
-    start = (run.step, run.guard.skipped, run.guard.rollbacks, len(run.history))
+    start = (run.step, run.guard.skipped, run.guard.rollbacks, len(run.history), run.guard.discarded)
     module.train(True)
     try:
         for local in range(steps):
@@ -418,7 +432,8 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     trained = [p for p in module.parameters() if p.requires_grad]
     dropped = sum(1 for p in run.history[start[3]:] if p.get("dropped"))
     result.outcome = judge(trained, run.step - start[0], run.guard.skipped - start[1], run.guard.rollbacks - start[2],
-                           dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)))
+                           dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)),
+                           run.guard.discarded - start[4])
     if result.outcome.skipped or result.outcome.dropped:
         log.warning("[Precision LoRA] training %s", result.outcome.summary())
     run.save_ema(hooks, result)

@@ -12,7 +12,9 @@ A call **fails** when one of these holds (``Outcome.problem`` says which, with t
    whatever the weights look like.
 
 Otherwise the call succeeds; skipped steps, steps with every adapter dropped and rollbacks are still counted
-in ``summary()``, logged, and recorded in the LoRA's metadata (``precision_lora_outcome``).
+in ``summary()``, logged, and recorded in the LoRA's metadata (``precision_lora_outcome``). A skipped step
+loses nothing (the LoRA, optimizer state and EMA stay as the last good step left them); a rollback restores
+an earlier snapshot and so discards the good steps since it: the summary says how many.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ class Outcome:
     """``steps``: optimizer steps this call ran; ``skipped``/``rollbacks``: the NaN guard's, in this call;
     ``max_abs``: largest |weight| of the LoRA (nan when it holds NaN); ``problem``: None when the call is ok;
     ``dropped``: steps of this call in which module_dropout dropped every adapter (skipped, not updated);
-    ``module_dropout``: the LoRA's module_dropout, for the summary."""
+    ``module_dropout``: the LoRA's module_dropout, for the summary; ``discarded``: good steps of this call that
+    rollbacks threw away (training.guard)."""
 
     steps: int
     skipped: int
@@ -41,6 +44,7 @@ class Outcome:
     problem: str | None = None
     dropped: int = 0
     module_dropout: float = 0.0
+    discarded: int = 0
 
     @property
     def ok(self) -> bool:
@@ -53,6 +57,8 @@ class Outcome:
         if self.dropped:
             text += (f"; {self.dropped} steps had every adapter dropped (module_dropout={self.module_dropout:g}) "
                      "and were skipped")
+        if self.rollbacks:
+            text += f"; rollbacks discarded {self.discarded} good step{'' if self.discarded == 1 else 's'}"
         return text
 
 
@@ -70,7 +76,7 @@ def largest_abs(params: Iterable[torch.Tensor]) -> float:
 
 
 def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: int, dropped: int = 0,
-          module_dropout: float = 0.0) -> Outcome:
+          module_dropout: float = 0.0, discarded: int = 0) -> Outcome:
     """The outcome of a call that ran ``steps`` optimizer steps on ``params`` (see the module docstring)."""
     peak = largest_abs(params)
     problem = None
@@ -86,4 +92,4 @@ def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: i
         why = "non-finite loss or gradients" if not dropped else \
             f"{skipped} with non-finite loss or gradients, {dropped} with every adapter dropped by module_dropout"
         problem = f"every one of the {steps} steps was skipped ({why}), so nothing was learned; {FIX}"
-    return Outcome(steps, skipped, rollbacks, peak, problem, dropped, module_dropout)
+    return Outcome(steps, skipped, rollbacks, peak, problem, dropped, module_dropout, discarded)

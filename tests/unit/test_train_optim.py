@@ -254,6 +254,35 @@ def test_each_optimizer_keeps_this_runs_lr_betas_eps_and_weight_decay_when_it_lo
     assert chosen[0]["lr"] == 3e-4 and chosen[0]["weight_decay"] == 0.1
     assert all(tuple(c["betas"][:2]) == (0.8, 0.95) for c in chosen if "betas" in c)
     assert all(c["momentum"] == 0.8 for c in chosen if "momentum" in c)
+    # the settings' eps, where the optimizer has one eps (torch Adafactor's is a pair of its own: it reads only
+    # the weight decay; CAME and adafactor_fixed keep eps1/eps2; Lion and SGD have none; Muon only in the AdamW
+    # part that takes vectors, and these parameters are matrices)
+    assert all(c["eps"] == 1e-6 for c in chosen if isinstance(c.get("eps"), float)), chosen
+    takes_eps = name not in ("adafactor", "adafactor_fixed", "came", "lion", "sgd", "muon")
+    assert not takes_eps or any(isinstance(c.get("eps"), float) for c in chosen), f"{name} never got eps"
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.1])
+def test_prodigy_first_step_is_its_closed_form_with_the_settings_eps(eps):
+    """Prodigy's eps reaches its update. First step (pytorch_optimizer's Prodigy: step size d = d0 = 1e-6, still
+    d0 after the step since the distance estimate's numerator g . (p0 - p) is 0; bias correction off):
+    m = d (1 - b1) g, v = d^2 (1 - b2) g^2, p -= d lr m / (sqrt(v) + d eps), that is
+    p1 - p0 = -lr d0 (1 - b1) g / (sqrt(1 - b2) |g| + eps). With b2 = 0.99 the first term is 0.1 |g|, so eps 0.1
+    about halves the step of eps 1e-8 (which is lr d0 (1 - b1) sign(g) / 0.1). The parameters start at zero so
+    that the fp32 result holds the step itself (no rounding against a larger starting value)."""
+    s = TrainSettings(optimizer="prodigy", learning_rate=1.0, beta1=0.9, beta2=0.99, eps=eps, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(4, 16)), torch.nn.Parameter(torch.zeros(16, 4))]
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+    opt = build_optimizer([{"params": params, "lr": s.learning_rate}], s)
+    for p, g in zip(params, grads):
+        p.grad = g.float()
+    opt.step()
+    d0 = 1e-6
+    for p, g in zip(params, grads):
+        g = g.float().double()  # the gradient the optimizer saw
+        expect = -s.learning_rate * d0 * (1 - s.beta1) * g / (math.sqrt(1 - s.beta2) * g.abs() + eps)
+        torch.testing.assert_close(p.detach().double(), expect, rtol=1e-5, atol=0.0)
 
 
 def test_muon_orthogonalises_the_lora_matrices_and_adams_the_vectors():
