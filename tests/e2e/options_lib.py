@@ -47,6 +47,13 @@ INPUT_LIST_NODES = {"PrecisionTrainLoRA", "PrecisionProbe", "PrecisionResolution
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 PRIMITIVES = {"INT": "PrimitiveInt", "FLOAT": "PrimitiveFloat", "STRING": "PrimitiveString",
               "BOOLEAN": "PrimitiveBoolean"}
+# The inputs of Attach LoRA, Load LoRA (Precision) and Save LoRA most e2e graphs use (a test changes what it checks)
+ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
+              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
+              dry_run=False, init_lora="none")
+LOAD = dict(strength=1.0, mode="fp32", attention="apply_recorded", override_backend="auto",
+            override_scale_mode="default", override_scale_value=1.0)
+SAVE = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
 MODEL_FILES = {"cosmos": "precision_tiny_cosmos.safetensors", "flux1_dev": "precision_tiny_flux1_dev.safetensors",
                "flux1_schnell": "precision_tiny_flux1_schnell.safetensors",
                "flux2": "precision_tiny_flux2.safetensors", "anima": "precision_tiny_anima.safetensors",

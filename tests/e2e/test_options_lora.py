@@ -18,17 +18,12 @@ from attention.backends import available as attention_backends
 from lora.file import save_lora_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from options_lib import AREAS, MODEL_FILES, Graph, OptionsServer, coverage, out, unused_options  # noqa: E402
+from options_lib import (AREAS, ATTACH, LOAD, MODEL_FILES, SAVE, Graph, OptionsServer, coverage, out,  # noqa: E402
+                         unused_options)
 
 pytestmark = pytest.mark.e2e
 
 FLUX = MODEL_FILES["flux1_dev"]
-ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
-              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
-              dry_run=False, init_lora="none")
-LOAD = dict(strength=1.0, mode="fp32", attention="apply_recorded", override_backend="auto",
-            override_scale_mode="default", override_scale_value=1.0)
-SAVE = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
 INIT = "options_init.safetensors"
 
 

@@ -23,19 +23,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from options_lib import MODEL_FILES, Graph, OptionsServer, out  # noqa: E402
+from options_lib import ATTACH, LOAD, MODEL_FILES, SAVE, Graph, OptionsServer, out  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 FLUX = MODEL_FILES["flux1_dev"]
 HALF = dict(backend="auto", scale_mode="multiplier", scale_value=0.5, stable_beta=2.0, softclamp=0.0,
             fp32_softmax=False)
-ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
-              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
-              dry_run=False, init_lora="none")
-LOAD = dict(strength=1.0, mode="fp32", attention="apply_recorded", override_backend="auto",
-            override_scale_mode="default", override_scale_value=1.0)
-SAVE = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
 NABLA = "NABLA_AttentionKJ.patch.attention_override_nabla (ComfyUI-KJNodes, nodes/model_optimization_nodes.py)"
 HEAD_DIM = 32  # tiny Flux.1
 
