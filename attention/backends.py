@@ -7,6 +7,7 @@ Optional kernels are imported lazily inside their function; ``available()`` says
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable
@@ -39,7 +40,7 @@ class Backend:
         for module, package in self.requires:
             if not _module_present(module):
                 return f"package '{package}' is not installed (pip install {package})"
-        if self.needs_cuda and not torch.cuda.is_available():
+        if self.needs_cuda and not _cuda_present():
             return "needs a CUDA GPU (torch.cuda.is_available() is False)"
         return None
 
@@ -47,11 +48,19 @@ class Backend:
         return self.fn(q, k, v, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def _module_present(module: str) -> bool:
+    """Looked up once per process: the dispatcher asks on every attention call of a chosen GPU backend, and a
+    package installed while ComfyUI runs needs a restart to be imported anyway."""
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_present() -> bool:
+    return torch.cuda.is_available()
 
 
 def _no_logit_options(name: str, softclamp: float, beta: float) -> None:

@@ -227,3 +227,32 @@ def test_gpu_trainable_backend_gradients(name):
 @pytest.mark.parametrize("mask_kind", ["none", "bool4d_dead_row"])
 def test_pytorch_backends_on_cuda_bf16(name, mask_kind):
     _check(name, "bhld", "double", mask_kind, device="cuda", dtype=torch.bfloat16, tol=3e-2)
+
+
+def test_availability_is_looked_up_once_not_on_every_call(monkeypatch):
+    """The dispatcher asks for a chosen backend's availability on every attention call: find_spec and
+    torch.cuda.is_available() run once per process, not per call."""
+    import importlib.util
+
+    from attention import backends as b
+
+    b._module_present.cache_clear()
+    b._cuda_present.cache_clear()
+    calls = {"find_spec": 0, "cuda": 0}
+    real_find, real_cuda = importlib.util.find_spec, torch.cuda.is_available
+
+    def find_spec(name, *a, **k):
+        calls["find_spec"] += 1
+        return real_find(name, *a, **k)
+
+    def cuda():
+        calls["cuda"] += 1
+        return real_cuda()
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(torch.cuda, "is_available", cuda)
+    first = b.available()
+    for _ in range(100):
+        assert b.available() == first
+    needs = {m for backend in b.BACKENDS.values() for m, _ in backend.requires}
+    assert calls["find_spec"] == len(needs) and calls["cuda"] <= 1, calls
