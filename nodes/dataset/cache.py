@@ -23,6 +23,7 @@ from ...training.encode_cache import BadEntry, EntryStore, NotCacheable, digest,
 from . import cache_glue as glue
 from .frames import frames_problem, vae_family, vae_frame_step
 from ..checks.gate import PrecisionNode
+from ..host import page
 from ..host.comfy_io import io, ui
 
 log = logging.getLogger(__name__)
@@ -207,25 +208,6 @@ def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, fold
     return latents, conditioning, report
 
 
-def _node_id(unique_id: Any) -> str | None:
-    from comfy_execution.utils import get_executing_context
-
-    ctx = get_executing_context()
-    found = (ctx.node_id if ctx is not None else None) or unique_id
-    return None if found is None else str(found)
-
-
-def _show_on_node(node_id: str | None):
-    """ComfyUI's progress text under the node (both supported frontends draw it), or None outside a server."""
-    from server import PromptServer
-
-    instance = getattr(PromptServer, "instance", None)
-    if node_id is None or instance is None or not hasattr(instance, "send_progress_text"):
-        return None
-    client = getattr(instance, "client_id", None)
-    return lambda text: instance.send_progress_text(text, node_id, client if isinstance(client, str) else None)
-
-
 class PrecisionCachedTrainingDataset(PrecisionNode):
     NODE = NODE
 
@@ -271,10 +253,10 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
     @classmethod
     def execute(cls, images, vae, clip, texts=None, cache=None) -> io.NodeOutput:
         mode = (cache or [MODES[0]])[0]
-        node_id = _node_id(getattr(cls.hidden, "unique_id", None) if getattr(cls, "hidden", None) else None)
+        node_id = page.executing_ids(getattr(getattr(cls, "hidden", None), "unique_id", None))[0]
         folder = glue.cache_folder()
         latents, conditioning, report = build(images, texts, vae[0], clip[0], mode, folder, node_id,
-                                              _show_on_node(node_id))
+                                              (lambda text: page.show_on_node(text, node_id)))
         text = report.summary()
         log.info("[Precision LoRA] %s: %s", NODE, text)
         return io.NodeOutput(latents, conditioning, text, ui=ui.PreviewText(text))

@@ -18,6 +18,7 @@ from . import glue
 from .trained_over import missing_adapters, missing_note
 from ..checks.gate import PrecisionNode
 from ..host.types import TrainingStateType
+from ..host import page
 from ..host.comfy_io import io
 
 log = logging.getLogger(__name__)
@@ -187,22 +188,9 @@ class PrecisionSaveLoRA(PrecisionNode):
                 os.remove(state_path)  # a state without its LoRA would be a half-written save
             raise
         shown = [path] if state_path is None else [path, state_path]
-        _show_on_node("saved " + "\nand ".join(shown))
+        page.show_on_node("saved " + "\nand ".join(shown))
         # "precision_lora_saved": web/lora_refresh.js refreshes the LoRA lists of every loader when it sees it
         return io.NodeOutput(path, ui={"text": shown, "precision_lora_saved": [path]})
-
-
-def _show_on_node(text: str) -> None:
-    """``text`` under the executing node in the page (ComfyUI's progress text, drawn by both supported
-    frontends as a read-only text widget): where the LoRA was written."""
-    from comfy_execution.utils import get_executing_context
-    from server import PromptServer
-
-    ctx, instance = get_executing_context(), getattr(PromptServer, "instance", None)
-    if ctx is None or instance is None or not hasattr(instance, "send_progress_text"):
-        return
-    client = getattr(instance, "client_id", None)
-    instance.send_progress_text(text, ctx.node_id, client if isinstance(client, str) and client else None)
 
 
 def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:

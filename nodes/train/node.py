@@ -18,6 +18,7 @@ from ...training.loop import Hooks, StepReport, train
 from ...training.settings import NAN_POLICIES, TrainSettings
 from ...training.views import EMA_SAVE
 from ..checks.gate import PrecisionNode
+from ..host import page
 from ..host.comfy_io import io
 from .captions import with_empty_caption
 from .data import build_dataset
@@ -179,60 +180,6 @@ def build_settings(values: Mapping[str, Any]) -> TrainSettings | str:
     return settings
 
 
-def _send(event: str, data: dict) -> None:
-    try:
-        from server import PromptServer
-    except ImportError:  # pragma: no cover - ComfyUI always has server
-        return
-    instance = getattr(PromptServer, "instance", None)
-    if instance is not None:
-        instance.send_sync(event, data, getattr(instance, "client_id", None))
-
-
-def _console(line: str) -> None:
-    """The progress line to ComfyUI's log; under the headless runner to its console instead (its stand-in
-    server takes the line), so a headless run prints each report once."""
-    try:
-        from server import PromptServer
-    except ImportError:  # pragma: no cover - ComfyUI always has server
-        PromptServer = None
-    take = getattr(getattr(PromptServer, "instance", None), "precision_lora_console", None)
-    if callable(take):
-        take(line)
-    else:
-        log.info(line)
-
-
-def _show_on_node(text: str, node_id: str | None) -> None:
-    """Text under the node in the page for the rest of the run: ComfyUI's progress text, which both supported
-    frontends draw as a read-only text widget on the executing node (ComfyUI's own nodes show sizes with it)."""
-    try:
-        from server import PromptServer
-    except ImportError:  # pragma: no cover - ComfyUI always has server
-        return
-    instance = getattr(PromptServer, "instance", None)
-    if instance is not None and node_id is not None and hasattr(instance, "send_progress_text"):
-        instance.send_progress_text(text, node_id, _client_id())
-
-
-def _client_id() -> str | None:
-    """The client that queued the running prompt (ComfyUI sets it on the server while a prompt executes)."""
-    try:
-        from server import PromptServer
-    except ImportError:  # pragma: no cover - ComfyUI always has server
-        return None
-    client = getattr(getattr(PromptServer, "instance", None), "client_id", None)
-    return client if isinstance(client, str) and client else None
-
-
-def _context_ids(unique_id: str | None) -> tuple[str | None, str | None]:
-    from comfy_execution.utils import get_executing_context
-
-    ctx = get_executing_context()
-    node_id = (ctx.node_id if ctx is not None else None) or unique_id
-    return (None if node_id is None else str(node_id)), (ctx.prompt_id if ctx is not None else None)
-
-
 class ConsoleLine:
     """One console line every ``every`` steps (a twentieth of the run), or after ``seconds`` without one,
     and at the last step: step, loss smoothed over the recent steps, lr, it/s and time left."""
@@ -269,10 +216,10 @@ def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, star
     def on_step(r: StepReport) -> str | None:
         line = console.line(r)
         if line is not None:
-            _console(line)
+            page.console(line)
         point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
         job.add_point(point)
-        _send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
+        page.send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
         if mm.processing_interrupted():
             return "interrupt"  # the loop saves a checkpoint first; the node raises afterwards
         try:
@@ -363,12 +310,12 @@ class PrecisionTrainLoRA(PrecisionNode):
         state = cont.state
         out, lora_set = fork_lora(model)
         hidden = getattr(cls, "hidden", None)
-        node_id, prompt_id = _context_ids(getattr(hidden, "unique_id", None))
+        node_id, prompt_id = page.executing_ids(getattr(hidden, "unique_id", None))
         lora_set.info.update(trained_over_metadata(getattr(hidden, "prompt", None), node_id, model))
         start = state.step if state is not None else 0
         previewer = make_previewer(out, lora_set, preview, name, node_id, start, steps)
         job = start_job(node_id, prompt_id, [] if state is None else [
-            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], _client_id())
+            {k: p.get(k) for k in ("step", "loss", "lr", "sigma")} for p in state.history], page.client_id())
         on_step = _step_hook(job, node_id, prompt_id, steps, start)
         hooks = Hooks(on_step=on_step if previewer is None else previewer.wrap(on_step),
                       save_checkpoint=job.tracked(checkpoint_writer(out, lora_set, name)),
@@ -385,7 +332,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         checkpoint = kept[-1] if kept else None
         lora_set.info["ss_steps"] = str(result.state.step)  # reaches the saved file's metadata
         lora_set.info["precision_lora_outcome"] = outcome.summary()
-        _send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
+        page.send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint,
                                             "failed": not outcome.ok, "outcome": outcome.summary(),
                                             "resumed_from": cont.pick.name if cont.pick else None})
@@ -405,7 +352,7 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
          changes: tuple[str, ...] = ()):
     # before anything is loaded onto the device
-    cfg, plan = plan_budget(model, cfg, latents, conditioning, say=lambda text: _show_on_node(text, node_id))
+    cfg, plan = plan_budget(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
     if plan is not None:
         log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan)
         lora_set.info["precision_lora_vram_plan"] = plan
@@ -414,7 +361,7 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in [*report.lines(), *attention.start_lines()]:
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
-        _show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
+        page.show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         start = state.step if state is not None else 0
         lora_set.info.update(training_metadata(cfg, report.sizes, report.samples, start + steps, seed if state is None
