@@ -15,6 +15,9 @@ attention workspaces, and a fragmentation margin; attention FLOPs (the CPU flash
 are counted from the calls. Block swap (``--swap-blocks N``) is modelled, not run: the resident weights
 minus N swapped blocks plus two ring slots of the largest block, as ``training.swap`` streams them (at most
 every block but the last, which is not checkpointed).
+``--base q4_k`` (q8_0, q6_k, q5_k, q5_0, q4_0): a GGUF file of that GGML type as ComfyUI-GGUF's loader holds it
+(its layers, from ../shared/custom_nodes): each weight at its raw blocks' bytes (``training/memory_gguf.py``),
+dequantized per call by those layers inside the tracked step.
 ``--offload-inputs`` (with ``--checkpointing``): the checkpointed blocks' inputs wait for backward in host
 memory (Train Settings' ``offload_block_inputs``).
 ``--budget GIB`` picks the cheapest plan that fits (``training.memory_plan``: no checkpointing, then
@@ -26,6 +29,7 @@ Usage::
 
     .venv/bin/python bench/memory.py --model flux1-dev --size 1024 --rank 16 --base fp8 --checkpointing
     .venv/bin/python bench/memory.py --model qwen-image --size 1024 --base fp8 --budget 16 --json
+    .venv/bin/python bench/memory.py --model flux1-dev --size 1024 --base q4_k --checkpointing
 
 See docs/memory.md for the figures, the validation and what the estimate leaves out.
 """
@@ -121,6 +125,8 @@ def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: 
 
 
 BASES = {"bf16": ("bfloat16", None), "fp8": ("float8_e4m3fn", "bfloat16")}
+# GGUF files in one GGML type (training/memory_gguf.py's rules), loaded by ComfyUI-GGUF, computed in bf16
+GGUF_BASES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K", "q5_0": "Q5_0", "q4_k": "Q4_K", "q4_0": "Q4_0"}
 
 
 def fake_model(name: str, base: str) -> tuple[Any, Any]:
@@ -130,6 +136,8 @@ def fake_model(name: str, base: str) -> tuple[Any, Any]:
 
     import memory_models
 
+    if base in GGUF_BASES:
+        return fake_gguf_model(name, GGUF_BASES[base])
     config = memory_models.unet_config(name)
     weight, compute = (getattr(torch, d) if d else None for d in BASES[base])
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -137,6 +145,50 @@ def fake_model(name: str, base: str) -> tuple[Any, Any]:
         model = memory_models.build(config, weight, compute, _pack("nodes.host.comfy_compat").fit_flux_config)
     model.load_device = None  # the LoRA set stays where it is made (Module.to cannot swap fake parameters)
     return mode, model
+
+
+def fake_gguf_model(name: str, qtype: str) -> tuple[Any, Any]:
+    """(FakeTensorMode, the model ``name`` as ComfyUI-GGUF's Unet Loader (GGUF) holds a file of GGML type ``qtype``:
+    its layers (the real pack, from ../shared/custom_nodes through tests/other_packs.py), each weight as raw blocks at
+    their real bytes (``gguf_layout``), dequantized per call by those layers in the step; computed in bf16)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import memory_models
+    import other_packs
+
+    gg = other_packs.load_in_process(other_packs.GGUF)
+    config, fit = memory_models.unet_config(name), _pack("nodes.host.comfy_compat").fit_flux_config
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        plain = memory_models.build(config, torch.bfloat16, None, fit)  # the file's tensors: their shapes
+        model = memory_models.build(config, torch.bfloat16, None, fit, operations=gg.ops.GGMLOps())
+        dm = model.model.diffusion_model
+        _pack("nodes.host.gguf").fill_fake(dm, gguf_layout(plain.model.diffusion_model, dm, qtype, gg))
+    model.load_device = None
+    return mode, model
+
+
+def gguf_layout(plain: Any, ggml: Any, qtype: str, gg: Any) -> dict:
+    """Parameter name -> ``nodes.host.gguf.RawTensor``: what ComfyUI-GGUF's loader (``gg``: its module) holds in
+    ``ggml`` (a model built with its ops) for each parameter of ``plain`` (the same model with ordinary layers)
+    stored in a file of GGML type ``qtype``. Each tensor gets the type of the conversion rules
+    (``training.memory_gguf.stored_type``); the loader keeps every Linear parameter, and every block-quantized one,
+    as raw GGUF and copies the other F32 / F16 tensors into the model's own parameters (left as built)."""
+    import gguf
+
+    rules, raw_tensor = _pack("training.memory_gguf"), _pack("nodes.host.gguf").RawTensor
+    modules = dict(ggml.named_modules())
+    layout = {}
+    for name, p in plain.named_parameters():
+        owner = modules.get(name.rpartition(".")[0])
+        kind = rules.stored_type(tuple(p.shape), qtype)
+        raw = isinstance(owner, gg.ops.GGMLOps.Linear) or (isinstance(owner, gg.ops.GGMLLayer)
+                                                            and kind not in rules.FLOAT_TYPES)
+        if raw:
+            size, dtype = rules.raw_size(tuple(p.shape), kind)
+            layout[name] = raw_tensor(size, dtype, gguf.GGMLQuantizationType[kind], tuple(p.shape))
+    return layout
 
 
 def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, targets: str,
@@ -177,14 +229,17 @@ def _gib(n: float) -> float:
 
 
 def budget_plan(runs: Callable[[bool, bool], dict], budget_gib: float, checkpointing_only: bool,
-                offload_only: bool = False) -> dict:
+                offload_only: bool = False, swap: bool = True) -> dict:
     """The cheapest plan within ``budget_gib`` (``training.memory_plan.choose``, block inputs in host memory
     offered as the node offers them; ``offload_only``: only plans with them) with its figures, or
     ``{"plan": None, "smallest_gib": ...}``. ``runs(checkpointing, offload)``: the tracked run (cached by the
-    caller)."""
+    caller). ``swap`` False (a GGUF base: block swap cannot stream its weights): no plan that swaps blocks, as the
+    training node's planner (``nodes/train/budget.py``)."""
     plan, tried = _pack("training.memory_plan").choose(
         lambda c: step_cost(runs(c, False)), budget_gib, checkpointing_only or offload_only,
         offload_cost=lambda: step_cost(runs(True, True)), offload_only=offload_only)
+    if plan is not None and plan.swap_blocks and not swap:
+        plan, tried = None, [t for t in tried if not t.swap_blocks]
     if plan is None:
         return {"plan": None, "smallest_gib": min(t.peak_gib for t in tried)}
     return plan_figures(runs(plan.checkpointing, plan.offload_inputs), plan.checkpointing, plan.swap_blocks,
@@ -198,7 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, choices=list(memory_models.MODELS))
     p.add_argument("--size", type=int, default=1024, help="square image size in pixels")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--base", default="bf16", choices=list(BASES), help="base weights: bf16, or fp8 e4m3fn computed in bf16")
+    p.add_argument("--base", default="bf16", choices=[*BASES, *GGUF_BASES],
+                   help="base weights: bf16, fp8 e4m3fn computed in bf16, or a GGUF file of one GGML type (q8_0, q4_k, "
+                   "...: ComfyUI-GGUF's layers, computed in bf16)")
     p.add_argument("--targets", default="attention", help="LoRA targets preset (lora/targets.py)")
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing of the blocks")
     p.add_argument("--offload-inputs", action="store_true", help="with --checkpointing: the checkpointed blocks' "
@@ -224,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.swap_blocks and not args.checkpointing:
         p.error(f"--swap-blocks {args.swap_blocks} needs --checkpointing: without it the backward needs every "
                 "block's weights resident")
+    if args.device == "cuda" and args.base in GGUF_BASES:
+        p.error(f"--device cuda --base {args.base}: the measured run builds bf16 and fp8 bases only; a GGUF base is "
+                "an estimate here (leave --device cuda out)")
     if args.device == "cuda" and (args.budget or args.budgets or args.swap_blocks):
         p.error("--device cuda measures one plan as given (--checkpointing or not): --budget, --budgets and "
                 "--swap-blocks are estimates only; run them without --device cuda")
@@ -251,13 +311,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     off = args.offload_inputs
     if args.budget_list:
-        plans = {str(b): budget_plan(runs, b, args.checkpointing, off) for b in args.budget_list}
+        swap = args.base not in GGUF_BASES
+        plans = {str(b): budget_plan(runs, b, args.checkpointing, off, swap) for b in args.budget_list}
         result = {**plan_figures(runs(True, off), True, 0, off),  # the headline: checkpointing, no swap
                   "offload_peak_gib": plan_figures(runs(True, True), True, 0, True)["peak_gib"],
                   "plans": {b: {"plan": p["plan"], "peak_gib": p.get("peak_gib", p.get("smallest_gib"))}
                             for b, p in plans.items()}}
     elif args.budget:
-        result = budget_plan(runs, args.budget, args.checkpointing, off)
+        result = budget_plan(runs, args.budget, args.checkpointing, off, args.base not in GGUF_BASES)
     else:
         result = plan_figures(runs(args.checkpointing, off), args.checkpointing, args.swap_blocks, off)
     result = {"model": args.model, "size": args.size, "rank": args.rank, "base": args.base,
@@ -279,8 +340,10 @@ def _print(r: dict) -> None:
     print(f"[Precision LoRA] bench/memory.py {r['model']} {r['size']} px rank {r['rank']} {r['base']} base, "
           f"targets {r['targets']}")
     if r["plan"] is None:
-        print(f"no plan fits {r['budget_gib']} GiB: the smallest, {r['smallest_gib']} GiB, is with every block "
-              "swapped; use --base fp8, a smaller size or a larger budget")
+        smallest = ("without block swap (it cannot stream GGUF weights); use a smaller GGUF type"
+                    if r["base"] in GGUF_BASES else "with every block swapped; use --base fp8")
+        print(f"no plan fits {r['budget_gib']} GiB: the smallest, {r['smallest_gib']} GiB, is {smallest}, a smaller "
+              "size or a larger budget")
         return
     print(f"plan: {r['plan']}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
     for key in ("weights_gib", "lora_gib", "optimizer_gib", "activations_gib", "tracked_gib", "overhead_gib", "peak_gib"):

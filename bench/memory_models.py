@@ -113,11 +113,13 @@ def unet_config(name: str) -> dict:
 
 
 def build(config: dict, weight_dtype: torch.dtype, compute_dtype: torch.dtype | None,
-          fit_flux: Callable[[dict], dict] = lambda c: c) -> Any:
+          fit_flux: Callable[[dict], dict] = lambda c: c, operations: Any = None) -> Any:
     """A ModelPatcher around the real class for ``config``: weights stored in ``weight_dtype``, computed in
     ``compute_dtype`` (ComfyUI's manual cast, e.g. fp8 weights computed in bf16; None = the weight dtype).
     Weights are ``torch.empty`` as ComfyUI's ops leave them (fake under a FakeTensorMode). ``fit_flux``:
-    the pack's ``comfy_compat.fit_flux_config`` (Flux configs fitted to this ComfyUI's FluxParams)."""
+    the pack's ``comfy_compat.fit_flux_config`` (Flux configs fitted to this ComfyUI's FluxParams).
+    ``operations``: the layers' ops, as a loader's ``custom_operations`` (ComfyUI-GGUF's ``GGMLOps``: its Linear
+    layers start without weights, ``bench/memory.py``'s ``gguf_layout`` says what to give them)."""
     import comfy.model_detection
     import comfy.model_management
     import comfy.model_patcher
@@ -128,6 +130,8 @@ def build(config: dict, weight_dtype: torch.dtype, compute_dtype: torch.dtype | 
     if model_config is None:
         raise ValueError(f"bench/memory.py: ComfyUI has no model class for {config}")
     model_config.set_inference_dtype(weight_dtype, compute_dtype)
+    if operations is not None:
+        model_config.custom_operations = operations
     model = model_config.get_model({}, "")
     device = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=device)

@@ -13,13 +13,12 @@ into the weight it multiplies with; the pack's LoRA forward replaces that ``forw
   layouts of ``comfy.quant_ops``): the weight is a ``QuantizedTensor`` that ``dequantize()`` turns into the
   compute dtype (the cast leaves it quantized when its dtype already equals the input's).
 
-``layer_weight`` returns the dequantized weight for all three, so the LoRA delta is added in fp32 to the
-base output computed on it (``lora.layer.lora_linear``). GGUF weights (city96's ComfyUI-GGUF
-``GGMLTensor``) are refused with the alternative named: see ``check_layer`` and docs/quantized.md.
+GGUF weights (city96's ComfyUI-GGUF ``GGMLTensor``) are a fourth form: its layers dequantize in their own
+``cast_bias_weight`` (``nodes.host.gguf``). ``layer_weight`` returns the dequantized weight for all four, so the
+LoRA delta is added in fp32 to the base output computed on it (``lora.layer.lora_linear``); see docs/quantized.md.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -27,6 +26,8 @@ import torch
 import comfy.model_detection
 import comfy.ops
 import comfy.utils
+
+from . import gguf
 
 try:
     from comfy.quant_ops import QuantizedTensor
@@ -42,37 +43,13 @@ def is_quantized(t: object) -> bool:
     return bool(QuantizedTensor) and isinstance(t, QuantizedTensor)
 
 
-def is_gguf(t: object) -> bool:
-    """True for ComfyUI-GGUF's ``GGMLTensor`` (raw GGUF blocks plus ``tensor_type`` / ``tensor_shape``)."""
-    return type(t).__name__ == "GGMLTensor" or (isinstance(t, torch.Tensor) and hasattr(t, "tensor_type")
-                                                  and hasattr(t, "tensor_shape"))
-
-
-GGUF_ALTERNATIVE = ("load the same model as fp8 or scaled-fp8 safetensors (or bf16) with Load Diffusion Model "
-                    "(Precision) or ComfyUI's Load Diffusion Model instead; a GGUF model can still use a trained "
-                    "LoRA through ComfyUI's LoraLoaderModelOnly")
-
-
-def refuse_gguf_file(path: str, node: str) -> None:
-    """Raise ValueError naming the alternative when ``path`` is a GGUF file (by its magic bytes or name)."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError:
-        return  # the loader reports a missing or unreadable file itself
-    if magic == b"GGUF" or path.lower().endswith(".gguf"):
-        raise ValueError(f"[Precision LoRA] {node}: {os.path.basename(path)!r} is a GGUF file; training on GGUF "
-                         f"weights is not supported: {GGUF_ALTERNATIVE}")
-
-
 def check_layer(module: torch.nn.Module, path: str) -> None:
-    """Raise ValueError for a layer whose weight the LoRA forward cannot dequantize (GGUF)."""
-    weight = getattr(module, "weight", None)
-    if is_gguf(weight):
-        kind = getattr(getattr(weight, "tensor_type", None), "name", None) or "quantized"
-        raise ValueError(f"[Precision LoRA] layer '{path}' holds GGUF ({kind}) weights from ComfyUI-GGUF's loader; "
-                         "the pack's LoRA layers (Attach LoRA, Train LoRA, Load LoRA in fp32 mode) do not run on "
-                         f"GGUF weights: {GGUF_ALTERNATIVE}")
+    """Raise ValueError for a layer whose weight the LoRA forward cannot dequantize: a GGUF weight outside
+    ComfyUI-GGUF's layers (they dequantize it themselves, ``nodes.host.gguf``)."""
+    problem = gguf.layer_problem(module)
+    if problem is not None:
+        raise ValueError(f"[Precision LoRA] layer '{path}' {problem}; load the file with {gguf.GGUF_LOADER}, whose "
+                         "layers the pack's LoRA layers run on")
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -91,8 +68,11 @@ def _needs_cast(module: torch.nn.Module) -> bool:
 
 def layer_weight(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, Callable[[], None]]:
     """(weight, bias, release) of a Linear as plain tensors in the dtype the layer computes in, dequantized
-    and scaled: what the layer's own forward multiplies ``x`` with. Call ``release()`` after the last use
-    (it hands ComfyUI's cast buffers back). weight (out, in); bias (out,) or None."""
+    and scaled (GGUF: by ComfyUI-GGUF's layer itself): what the layer's own forward multiplies ``x`` with.
+    Call ``release()`` after the last use (it hands ComfyUI's cast buffers back). weight (out, in); bias (out,)
+    or None."""
+    if gguf.dequantizes(module):  # ComfyUI-GGUF's quantized layer dequantizes this one weight itself, per call
+        return gguf.layer_weight(module, x)
     if not _needs_cast(module):
         return module.weight, module.bias, lambda: None
     weight, bias, stream = comfy.ops.cast_bias_weight(module, x, offloadable=True)
@@ -103,6 +83,7 @@ def layer_weight(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor
 
     if is_quantized(weight):
         weight = weight.dequantize()
+    weight, bias = gguf.plain(weight), gguf.plain(bias)  # an F16 / F32 GGUF layer, cast as its own forward does
     scale = getattr(module, "scale_weight", None)  # ComfyUI 0.3.75's scaled fp8 layer: the cast is unscaled
     if isinstance(scale, torch.Tensor):
         weight = (weight.float() * scale.to(device=weight.device, dtype=torch.float32)).to(weight.dtype)

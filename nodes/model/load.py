@@ -18,7 +18,8 @@ import folder_paths
 from ..checks.gate import PrecisionNode
 from ..host.comfy_compat import fit_flux_config, set_reload
 from ..host.comfy_io import io
-from ..host.quantized import prepare_state_dict, quantized_as_inference, refuse_gguf_file
+from ..host.gguf import GGUF_NODE, gguf_file_advice, refuse_gguf_file
+from ..host.quantized import prepare_state_dict, quantized_as_inference
 from .info import UNET_CONFIG_KEY, describe_model
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def load_model_file(path: str, weight_dtype: str = "default"):
                          f"choose one of {', '.join(WEIGHT_DTYPES)}")
     dtype = WEIGHT_DTYPES[weight_dtype]
     # Nodes run under inference_mode; tensors created there cannot be saved for backward.
-    refuse_gguf_file(path, NODE)
+    refuse_gguf_file(path, NODE, gguf_installed())
     with torch.inference_mode(False):
         sd, metadata = _read_file(path)
         if UNET_CONFIG_KEY in metadata:
@@ -121,6 +122,17 @@ def load_model_file(path: str, weight_dtype: str = "default"):
 def _reload(path: str, weight_dtype: str, disable_dynamic: bool = False):
     """The same file loaded again, for ComfyUI's deep copies of the model (``comfy_compat.set_reload``)."""
     return load_model_file(path, weight_dtype)
+
+
+def gguf_installed() -> bool:
+    """Whether ComfyUI-GGUF's loader node is registered in this ComfyUI (its node id in ComfyUI's registry)."""
+    import nodes as comfy_nodes  # ComfyUI's nodes.py (the pack's own nodes/ is only reached relatively)
+
+    return GGUF_NODE in comfy_nodes.NODE_CLASS_MAPPINGS
+
+
+def _gguf_name(value: object) -> bool:
+    return isinstance(value, str) and value.lower().endswith(".gguf")
 
 
 class PrecisionLoadDiffusionModel(PrecisionNode):
@@ -148,6 +160,14 @@ class PrecisionLoadDiffusionModel(PrecisionNode):
                                  tooltip="Family, attention heads, head_dim and default softmax scale."),
             ],
         )
+
+    @classmethod
+    def validate_inputs(cls, **values: object) -> bool | str:
+        """A ``.gguf`` name (never listed here: ComfyUI's list of models/diffusion_models leaves GGUF files out) is
+        answered with ComfyUI-GGUF's loader, before the gate would call it a missing file."""
+        if _gguf_name(values.get("model_name")):
+            return gguf_file_advice(str(values["model_name"]), NODE, gguf_installed())
+        return super().validate_inputs(**values)
 
     @classmethod
     def execute(cls, model_name: str, weight_dtype: str) -> io.NodeOutput:

@@ -32,6 +32,7 @@ import comfy.model_management as mm
 
 from ...training.memory_plan import CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, StepCost, choose
 from ...training.settings import TrainSettings
+from ..host import gguf
 from ..lora.glue import get_lora_set
 from ..model.data_checks import is_minimax_h3, is_packed
 from .data import build_samples
@@ -72,14 +73,16 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
     plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing,
                          offload_cost=lambda: cost(True, offload=True), offload_only=cfg.offload_block_inputs)
     what = f"vram budget {budget:g} GiB" + (" (auto: free on the device + what ComfyUI can free)" if auto else "")
-    base = DTYPE_NAMES.get(model.model.get_dtype(), str(model.model.get_dtype()).replace("torch.", ""))
+    base = base_name(model)
+    if plan is not None and plan.swap_blocks and base.startswith("GGUF"):  # training.swap streams plain tensors only
+        plan, tried = None, [p for p in tried if not p.swap_blocks]
     if plan is None:
         least = tried[-1]
         raise ValueError(
             f"[Precision LoRA] PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
             f"PrecisionTrainSettings: no plan fits {budget:g} GiB: the smallest, {base} base, {least.describe()}, is est. "
             f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces); "
-            f"raise vram_budget_gb, lower the resolution, rank or batch size, {'' if base.startswith('fp8') else 'load the base in fp8, '}"
+            f"raise vram_budget_gb, lower the resolution, rank or batch size, {_smaller_base(base)}"
             "or set vram_budget_gb to 0 to train without planning")
     line = f"{what}: {base} base, {plan.describe()}: est. {plan.peak_gib} GiB of {budget:g}"
     if cfg.swap_blocks and cfg.swap_blocks != plan.swap_blocks:
@@ -184,10 +187,27 @@ def _row_numel(samples: Any) -> int:
     return sum(t[0].numel() for t in samples.unbind()) if is_packed(samples) else samples[0].numel()
 
 
+def _smaller_base(base: str) -> str:
+    """The fix a budget refusal offers for the base: fp8 for a larger one; for GGUF a smaller type (block swap, the
+    last resort of the plans, cannot stream GGUF blocks)."""
+    if base.startswith("GGUF"):
+        return "load a smaller GGUF type (block swap cannot stream GGUF weights, so no plan swaps them), "
+    return "" if base.startswith("fp8") else "load the base in fp8, "
+
+
+def base_name(model: Any) -> str:
+    """The base's storage as the report names it: "bf16", "fp8", "GGUF Q4_K" (the type most of its bytes are in)."""
+    dtype = model.model.get_dtype()
+    return gguf.describe_base(model.model.diffusion_model) or DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def _config_key(model: Any) -> tuple:
     mc = model.model.model_config
     unet = tuple(sorted((k, repr(v)) for k, v in mc.unet_config.items()))
-    return type(mc).__qualname__, unet, repr(getattr(mc, "manual_cast_dtype", None)), repr(getattr(mc, "optimizations", None))
+    dm = model.model.diffusion_model  # GGUF files of one config differ in their types and bytes
+    stored = (tuple(sorted(gguf.qtype_counts(dm).items())), sum(r.nbytes for r in gguf.raw_layout(dm).values()))
+    return (type(mc).__qualname__, unet, repr(getattr(mc, "manual_cast_dtype", None)),
+            repr(getattr(mc, "optimizations", None)), stored)
 
 
 def _shapes(cond: dict) -> tuple:

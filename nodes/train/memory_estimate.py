@@ -23,6 +23,7 @@ from ...lora.config import LoRAConfig
 from ...training import grad, masters as masters_mod, memory_step, optim, sampling
 from ...training.memory_plan import StepCost
 from ...training.settings import TrainSettings
+from ..host import gguf
 from ..host.comfy_compat import model_gradients
 from ..lora.glue import attach_lora, get_lora_set
 from .glue import BLOCK_LISTS, model_fns, needs_in_place_fix
@@ -63,12 +64,17 @@ def patched_forwards(model: Any) -> list[tuple[Any, str, bool]]:
 def fake_twin(model: Any) -> tuple[Any, Any]:
     """(FakeTensorMode, a ModelPatcher of the same class and config as ``model``'s, built under it):
     ``model.model.model_config`` as loaded (its unet_config with the weight dtype, its compute dtype and
-    quantization options), weights fake. Nothing of the real model is read or moved."""
+    quantization options), weights fake; a GGUF model's weights as its raw blocks (``nodes.host.gguf.fill_fake``:
+    their real bytes, dequantized per call by ComfyUI-GGUF's layers as in training). Nothing of the real model is
+    read or moved."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    layout = gguf.raw_layout(model.model.diffusion_model)
     with mode:
         twin = model.model.model_config.get_model({}, "")
+        if layout:  # a GGUF base (ComfyUI-GGUF's layers): each weight at its raw blocks' real bytes
+            gguf.fill_fake(twin.diffusion_model, layout)
     cpu = torch.device("cpu")
     patcher = comfy.model_patcher.ModelPatcher(twin, load_device=cpu, offload_device=cpu)
     patcher.load_device = None  # the LoRA set stays where it is made (Module.to cannot swap fake parameters)

@@ -224,31 +224,32 @@ def test_scaled_fp8_trains_and_its_lora_stock_loads_on_fp8_and_bf16(m, loader, c
         assert ratio < bound, f"stock LoRA on {base.model.diffusion_model.dtype if hasattr(base.model.diffusion_model, 'dtype') else base}: {ratio:.3f}"
 
 
-def test_a_gguf_file_is_refused_naming_the_alternative(m):
-    """GGUF (city96's format) is refused, not trained on (docs/quantized.md): the pack's loader names the file
-    and the formats to use instead, before reading any tensor."""
+def test_a_gguf_file_names_comfyui_ggufs_loader(m):
+    """A GGUF file given to the pack's loader by path (found by its magic bytes): the message names ComfyUI-GGUF's
+    Unet Loader (GGUF), whose MODEL trains (docs/quantized.md; tests/comfy/test_gguf_loader.py for the node)."""
     path = os.path.join(_folder(), "refused.gguf")
     with open(path, "wb") as f:
         f.write(b"GGUF" + bytes(60))
-    with pytest.raises(ValueError, match=r"PrecisionLoadDiffusionModel: 'refused.gguf' is a GGUF file; training "
-                                         r"on GGUF weights is not supported: load the same model as fp8 or "
-                                         r"scaled-fp8 safetensors"):
+    with pytest.raises(ValueError, match=r"PrecisionLoadDiffusionModel: input 'model_name'='refused.gguf' is a GGUF "
+                                         r"file, which this loader does not read; .*Unet Loader \(GGUF\)"):
         m.load.load_model_file(path)
 
 
 class GGMLTensor(torch.Tensor):
     """What ComfyUI-GGUF's loader leaves in a layer: a tensor subclass of this name carrying ``tensor_type`` and
-    ``tensor_shape`` (city96/ComfyUI-GGUF, ops.py); the package is not installed here, so its marks are made."""
+    ``tensor_shape`` (city96/ComfyUI-GGUF, ops.py), made here without the pack, in a plain Linear."""
 
 
-def test_a_gguf_layer_is_refused_when_attaching(m):
+def test_a_gguf_weight_outside_comfyui_ggufs_layers_is_refused_when_attaching(m):
+    """A GGUF weight in a layer that is not one of ComfyUI-GGUF's (which dequantize their own weights; GGUF bases
+    train through them: tests/comfy/test_gguf_base.py) is refused before anything is attached."""
     model = m.tiny.build_tiny_model("flux1_dev")
     layer = model.model.diffusion_model.double_blocks[0].img_attn.qkv
     weight = layer.weight.detach().as_subclass(GGMLTensor)
     weight.tensor_type, weight.tensor_shape = type("Q", (), {"name": "Q4_K"})(), layer.weight.shape
     layer._parameters["weight"] = weight
-    with pytest.raises(ValueError, match=r"layer 'double_blocks.0.img_attn.qkv' holds GGUF \(Q4_K\) weights.*"
-                                         r"load the same model as fp8 or scaled-fp8 safetensors"):
+    with pytest.raises(ValueError, match=r"layer 'double_blocks.0.img_attn.qkv' holds a GGUF \(Q4_K\) weight in a "
+                                         r"Linear, not in one of ComfyUI-GGUF's layers.*Unet Loader \(GGUF\)"):
         m.glue.attach_lora(model, m.LoRAConfig(rank=4, alpha=4, targets="attention"))
     assert not model.object_patches  # nothing attached
 
