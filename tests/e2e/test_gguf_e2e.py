@@ -17,15 +17,12 @@ import gguf_models
 from training.settings import TrainSettings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from options_lib import MODEL_FILES, Graph, OptionsServer, out  # noqa: E402
+from options_lib import ATTACH, MODEL_FILES, Graph, OptionsServer, out  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 SOURCE = MODEL_FILES["cosmos"]  # the demo Cosmos (192 wide: every block Linear's rows split into Q8_0's 32-blocks)
 GGUF = "e2e_tiny_cosmos_Q8_0.gguf"
-ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
-              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
-              dry_run=False, init_lora="none")
 STEPS = 16
 
 

@@ -6,8 +6,10 @@ which the pack's shim used to hand back to them (RecursionError).
 
 The servers have ComfyUI-KJNodes and ComfyUI-GGUF installed (tests/other_packs.py). The other override here is
 NABLA_AttentionKJ's (torch_compile off; its latent input only gives a video shape: for the tiny Flux.1's short
-sequences it runs ComfyUI's ``optimized_attention``) and KJNodes' GGUF loader's ``sdpa`` override, on the tiny
-Cosmos converted to GGUF. What must hold for every graph: it succeeds (no RecursionError anywhere in the log);
+sequences it runs ComfyUI's ``optimized_attention``). KJNodes' GGUF loader, whose ``sdpa`` override is the other one
+that runs on a CPU, does not load any model beside ComfyUI-GGUF 795e451 (it unpacks ``gguf_sd_loader``'s state
+dict as a (state dict, metadata) pair: "too many values to unpack"), with or without this pack; its override
+function itself is tested in process (tests/comfy/test_other_overrides.py). What must hold for every graph: it succeeds (no RecursionError anywhere in the log);
 Train LoRA's saved LoRA says what ran (the pack's override on every attention call, the other override's calls as
 the kernel, or the other override alone with ComfyUI's default scale); KSampler's latent equals the same graph
 without the other override (it runs the same attention, with the pack's scale applied on top).
@@ -156,3 +158,4 @@ def test_ksampler_beside_nabla_in_every_order(view):
         # NABLA runs ComfyUI's own attention function here: float32 kernel differences at most
         torch.testing.assert_close(latents[p], latents[f"ref_{ref}"], rtol=1e-4, atol=1e-4, msg=p)
     assert (latents["before"] - latents["ref_stock"]).abs().max() > 1e-3  # the half scale changed the output
+
