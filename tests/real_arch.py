@@ -51,10 +51,6 @@ CLIP_L_NAME = "real_arch_clip_l.safetensors"
 TINY_FLUX_NAME = "real_arch_tiny_flux1_clip_l.safetensors"
 SDXL_NAME = "real_arch_tiny_sdxl.safetensors"
 DATASET = "real_arch_captioned"
-# One image and caption (the first of IMAGES), for the test on real-size T5-XXL: each caption costs a T5-XXL encode
-# (~30 s on a 2-core CPU), and more captions prove nothing more there (tests/e2e/test_real_workflow.py trains the
-# three-caption folder with the same graph)
-DATASET_ONE = "real_arch_captioned_one"
 # (file stem, width, height, caption): two sizes, so one run trains on latents of different shapes
 IMAGES = (
     ("red_square", 64, 64, "a photo of sks, a red square"),
@@ -240,9 +236,6 @@ def write_all(base: str, seed: int = 0, t5: bool = False) -> dict[str, str]:
             os.symlink(cached, paths["t5"])
         if not os.path.exists(paths["model_t5"]):
             write_tiny_flux(paths["model_t5"], 4096, seed)
-        paths["dataset_one"] = os.path.join(base, "input", DATASET_ONE)
-        if not os.path.isdir(paths["dataset_one"]):
-            write_dataset(paths["dataset_one"], count=1)
     return paths
 
 
@@ -252,8 +245,7 @@ SHIPPED = {"model": "flux1-dev.safetensors", "clip_l": "clip_l.safetensors", "t5
            "vae": "ae.safetensors", "dataset": "my_lora_dataset", "checkpoint": "sd_xl_base_1.0.safetensors"}
 
 
-def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False,
-               dataset: str = DATASET) -> tuple[dict, list[str]]:
+def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False) -> tuple[dict, list[str]]:
     """The API prompt of a shipped real workflow with this module's files picked; returns it and the list of
     edits made (what a user would do in the page). Every name edit checks the shipped value first.
 
@@ -277,7 +269,7 @@ def swap_names(prompt: dict, lora_name: str | None = None, t5: bool = False,
             edits.append(f"{nid}.vae_name")
         elif kind == "LoadImageTextDataSetFromFolder":
             assert inputs["folder"] == SHIPPED["dataset"], inputs
-            inputs["folder"] = dataset
+            inputs["folder"] = DATASET
             edits.append(f"{nid}.folder")
         elif kind == "DualCLIPLoader":
             assert (inputs["clip_name1"], inputs["clip_name2"], inputs["type"]) == (

@@ -3,8 +3,8 @@
     .venv/bin/python -m pytest tests/browser -m browser      # writes artifacts/browser/*.png
     .venv/bin/python tests/browser/readme_images.py          # refreshes docs/img/*.png (each < 300 KB)
 
-The real workflows' images come from tests/browser/test_real_workflow_ui.py (real-size VAE, CLIP-L and T5-XXL,
-tiny Flux), the demo ones from test_training_ui.py.
+The real workflows' images come from tests/browser/test_first_lora_ui.py (README's "Your first LoRA" on real-size
+VAE, CLIP-L and T5-XXL, tiny Flux), the demo ones from test_training_ui.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ ARTIFACTS = os.path.join(ROOT, "artifacts", "browser")
 DOCS_IMG = os.path.join(ROOT, "docs", "img")
 # artifact -> (docs/img name, width or None to keep)
 IMAGES = {
-    "real_train_02_finished.png": ("train_lora.png", 1440),
-    "real_infer_01_image.png": ("inference_matching_scale.png", 1440),
+    "first_lora_02_trained.png": ("train_lora.png", 1440),
+    "first_lora_03_image.png": ("inference_matching_scale.png", 1440),
     "train_05_finished.png": ("train_lora_demo.png", 1440),
     "train_04_stopped.png": ("loss_chart.png", None),
     "inference_done.png": ("inference_demo.png", 1440),
