@@ -139,4 +139,33 @@ if [ "$(cat "$TOOLS_VENV/.precision_lora_tools" 2>/dev/null)" != "$TOOLS_WANT" ]
     log "pip install $TOOLS_WANT failed: tests/unit/test_pack_metadata.py's validate test will fail until it installs"
   fi
 fi
+# The newest ComfyUI frontend on PyPI, for the browser tier's third run (scripts/test.sh: ComfyUI 0.33.0 with
+# --front-end-root, PRECISION_LORA_FRONTEND). Users who update ComfyUI get a newer frontend than the one a host pins;
+# this one is unpacked beside the hosts, never into a host venv (each host keeps the frontend it pins); the link
+# .hosts/frontends/newest names it for scripts/test.sh. Pinned with its sha256, so the tests do not change under a new
+# release: a newer one is a new version and sha256 here.
+FRONTEND_VERSION=1.58.1 FRONTEND_SHA256=37912597537a731a8f421179618a736c24184c5bdbfa327f38b2fb7c291852d9
+FRONTEND_DIR="$HOSTS_ROOT/frontends/$FRONTEND_VERSION"
+if [ "${PRECISION_LORA_NO_BROWSER:-0}" != 1 ] && [ "$(cat "$FRONTEND_DIR/.precision_lora_sha256" 2>/dev/null)" != "$FRONTEND_SHA256" ]; then
+  PIP_PY="$HOSTS_ROOT/$NEWEST_HOST/venv/bin/python"
+  [ -x "$PIP_PY" ] || PIP_PY="${HOST_PY:-python3}"
+  log "unpacking comfyui-frontend-package==$FRONTEND_VERSION (its static/ only) into $FRONTEND_DIR"
+  tmp="$(mktemp -d)"
+  if "$PIP_PY" -m pip download -q --no-deps -d "$tmp" "comfyui-frontend-package==$FRONTEND_VERSION" \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2) \
+      && echo "$FRONTEND_SHA256  $tmp/comfyui_frontend_package-$FRONTEND_VERSION-py3-none-any.whl" | sha256sum -c --quiet; then
+    rm -rf "$FRONTEND_DIR" && mkdir -p "$FRONTEND_DIR"
+    "$PIP_PY" -c "import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('comfyui_frontend_package/static/')])" \
+      "$tmp/comfyui_frontend_package-$FRONTEND_VERSION-py3-none-any.whl" "$FRONTEND_DIR"
+    mv "$FRONTEND_DIR/comfyui_frontend_package/static" "$FRONTEND_DIR/static" && rmdir "$FRONTEND_DIR/comfyui_frontend_package"
+    echo "$FRONTEND_SHA256" > "$FRONTEND_DIR/.precision_lora_sha256"
+  else
+    log "could not fetch comfyui-frontend-package==$FRONTEND_VERSION (sha256 $FRONTEND_SHA256): the browser run on the newest frontend will fail until it does"
+  fi
+  rm -rf "$tmp"
+fi
+[ "$(readlink "$HOSTS_ROOT/frontends/newest" 2>/dev/null)" = "$FRONTEND_VERSION" ] || {
+  mkdir -p "$HOSTS_ROOT/frontends" && ln -sfn "$FRONTEND_VERSION" "$HOSTS_ROOT/frontends/newest"; }
 log "ready: ${hosts[*]}"

@@ -1,4 +1,5 @@
-"""Sum the pytest junit reports of scripts/test.sh's per-host runs into one closing line.
+"""Sum the pytest junit reports of scripts/test.sh's runs (one per host, and the browser run on the newest frontend,
+"0.33.0+frontend-<version>") into one closing line.
 
     python scripts/test_summary.py REPORT.xml ...     ->  "<host>: N passed, ..." per host, then
                                                           "total: N passed, N failed, N skipped"

@@ -41,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def frontend_args() -> list[str]:
+    """``--front-end-root DIR`` when PRECISION_LORA_FRONTEND=DIR names another frontend's static folder (scripts/
+    test.sh's run on the newest PyPI frontend, unpacked by scripts/setup.sh into .hosts/frontends/<version>/static)."""
+    root = os.environ.get("PRECISION_LORA_FRONTEND")
+    if not root:
+        return []
+    if not os.path.isfile(os.path.join(root, "index.html")):
+        pytest.fail(f"PRECISION_LORA_FRONTEND={root} is not a frontend's static folder (no index.html): "
+                    "bash scripts/setup.sh unpacks the newest one into .hosts/frontends/<version>/static")
+    return ["--front-end-root", os.path.abspath(root)]
+
+
 @pytest.fixture(scope="session")
 def comfy_server(tmp_path_factory):
     """One real ComfyUI server (this pack + tiny demo models) for the whole session (e2e and browser), with the
@@ -56,7 +68,7 @@ def comfy_server(tmp_path_factory):
     for standin in sorted(glob.glob(os.path.join(TESTS, "*_standin.py"))):
         os.symlink(standin, os.path.join(base, "custom_nodes", "precision_" + os.path.basename(standin)))
     other_packs.install(base)
-    server = ComfyServer.start(base)
+    server = ComfyServer.start(base, extra_args=frontend_args())
     try:
         errors = server.pack_import_errors()
         if errors:

@@ -7,6 +7,7 @@ Missing chromium or playwright-core is a failure with the fix in the message, ne
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -34,4 +35,22 @@ def comfy_page(comfy_server, browser):
         assert status == 200, (setting, body)
     browser.call("goto", url=comfy_server.url + "/", waitFor=PAGE_READY, timeout=150)
     browser.evaluate(DISMISS_BANNER)
+    # the frontend the run is meant for: the host's pinned one, or PRECISION_LORA_FRONTEND's (--front-end-root)
+    running, expected = browser.evaluate("() => window.__COMFYUI_FRONTEND_VERSION__"), expected_frontend_version()
+    assert expected in (None, running), f"the page runs frontend {running}, not {expected}"
     return browser
+
+
+def expected_frontend_version() -> str | None:
+    """PRECISION_LORA_FRONTEND=.hosts/frontends/<version>/static (through the 'newest' link too): that version (None
+    for a folder not named by a version); otherwise the comfyui-frontend-package this host's venv pins."""
+    root = os.environ.get("PRECISION_LORA_FRONTEND")
+    if root:
+        name = os.path.basename(os.path.dirname(os.path.realpath(root)))
+        return name if re.fullmatch(r"\d+\.\d+\.\d+", name) else None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("comfyui-frontend-package")
+    except PackageNotFoundError:  # a custom host whose ComfyUI serves a frontend of its own
+        return None
