@@ -6,7 +6,8 @@
 // the frontend's own widget starts to scroll). The end of a run lists the saved preview PNGs in the
 // node's outputs. Neither survives a reload, so the report text and the image references (filename /
 // subfolder / type) are kept in the node's `properties`, which the workflow saves; a loaded node shows
-// them again (the report in a widget of this pack, the images through the frontend's own node outputs).
+// them again (the report in a widget of this pack, the images through the frontend's own node outputs). Frontend 1.58
+// removes its text widget when the job ends: the report then moves into the pack's widget at once.
 // An image the server no longer has is dropped without a trace.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -93,8 +94,24 @@ function fitTextWidget(node) {
   const height = () => fittedHeight(node, String(widget.value ?? ""));
   widget.options.getMinHeight = height;
   widget.options.getMaxHeight = height;
+  keepReportWhenRemoved(node, widget);
   growToFit(node);
   return true;
+}
+
+// Frontend 1.58 removes its text widget from every node when the job ends (1.49 keeps it): the report stays on
+// the node, in this pack's own widget, as after a reload. The frontend calls a widget's onRemove first (chained).
+function keepReportWhenRemoved(node, widget) {
+  if (widget.precisionKeepsReport) return;
+  widget.precisionKeepsReport = true;
+  const removed = widget.onRemove;
+  widget.onRemove = function () {
+    removed?.apply(this, arguments);
+    requestAnimationFrame(() => {
+      const { report } = remembered(node.properties ?? {});
+      if (report && nodeById(node.id) === node && !findWidget(node, TEXT_WIDGET)) showRestoredReport(node, report);
+    });
+  };
 }
 
 function removeWidget(node, name) {

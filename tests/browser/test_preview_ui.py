@@ -102,21 +102,32 @@ NODE_DRAWING = """(id) => {
 
 # The frontend's report widget as drawn: the text's rendered height, the height the widget gives it and
 # whether any of it is hidden (scrolled or clipped by the widget's box).
+# The dataset report as the node shows it after the run: in the frontend's progress-text widget (frontends up to
+# 1.49 keep it), else in the pack's own report widget (1.58 removes the frontend's when the job ends; the pack then
+# shows the same text, web/train_report.js).
 REPORT_FIT = """(id) => {
   const app = window.comfyAPI.app.app;
   const node = app.graph.getNodeById(id);
-  const widget = node.widgets?.find((w) => w.name === "$$node-text-preview");
-  const span = [...document.querySelectorAll(".dom-widget span")].find((e) => e.textContent.startsWith("dataset:"));
-  if (!widget || !span) return { widget: Boolean(widget), span: Boolean(span) };
-  const scroller = span.closest(".overflow-y-auto");
-  const box = span.closest(".dom-widget").getBoundingClientRect();
-  const text = span.getBoundingClientRect();
+  const own = node.widgets?.find((w) => w.name === "$$node-text-preview");
+  const pack = node.widgets?.find((w) => w.name === "precision_dataset_report");
+  const el = own ? [...document.querySelectorAll(".dom-widget span")].find((e) => e.textContent.startsWith("dataset:"))
+    : pack?.precisionEl;
+  const widget = own ?? pack;
+  if (!widget || !el) return { widget: Boolean(widget), span: Boolean(el) };
+  const value = own ? String(own.value) : el.textContent;
+  const range = document.createRange();
+  range.selectNodeContents(el);
+  const scroller = own ? el.closest(".overflow-y-auto") : el;
+  const box = el.closest(".dom-widget").getBoundingClientRect();
+  const text = range.getBoundingClientRect();
   const scale = app.canvas.ds.scale;
-  return { lines: String(widget.value).split("\\n").length, textLines: Math.round(text.height / scale / 16),
-           textHeight: text.height / scale, widgetHeight: widget.computedHeight,
+  return { shownBy: own ? "frontend" : "pack", lines: value.split("\\n").length,
+           textLines: Math.round(text.height / scale / 16), textHeight: text.height / scale,
+           widgetHeight: widget.computedHeight ?? widget.computeSize?.(node.size[0])?.[1],
            scrolled: scroller.scrollHeight > scroller.clientHeight + 1,
            clipped: text.bottom > box.bottom + 1 || text.top < box.top - 1 };
 }"""
+
 
 # What the node keeps of its run (saved with the workflow).
 KEPT = """(id) => {
