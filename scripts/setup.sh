@@ -47,13 +47,16 @@ unpack_033() {  # ComfyUI 0.33.0 from the shipped source tarball, checked agains
 # on the venv's path through a .pth file. ComfyUI's audio nodes that need the C++ ops stay unavailable.
 torchaudio_python_part() {
   local pure="$HOSTS_ROOT/$HOST_NAME/pure" tmp
-  [ -d "$pure/torchaudio" ] && return 0
-  log "installing torchaudio 2.11.0's Python part (no C++ library) into $pure"
-  tmp="$(mktemp -d)"
-  quiet_pip download -q --no-deps -d "$tmp" torchaudio==2.11.0
-  "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" pure-python "$tmp"/torchaudio-2.11.0-*.whl "$pure"
-  rm -rf "$tmp"
-  "$HOST_PY" -c "import sysconfig,sys; open(sysconfig.get_paths()['purelib'] + '/precision_lora_pure.pth', 'w').write(sys.argv[1] + '\n')" "$pure"
+  if [ ! -d "$pure/torchaudio" ]; then
+    log "installing torchaudio 2.11.0's Python part (no C++ library) into $pure"
+    tmp="$(mktemp -d)"
+    quiet_pip download -q --no-deps -d "$tmp" torchaudio==2.11.0
+    "$HOST_PY" "$ROOT/scripts/unpack_comfyui.py" pure-python "$tmp"/torchaudio-2.11.0-*.whl "$pure"
+    rm -rf "$tmp"
+  fi
+  # relative to site-packages (Python's site joins a .pth line with its folder): a moved or copied checkout's venv
+  # reads its own pure/, never the original checkout's (tests/unit/test_setup_paths.py)
+  "$HOST_PY" -c "import os,sysconfig,sys; d = sysconfig.get_paths()['purelib']; open(os.path.join(d, 'precision_lora_pure.pth'), 'w').write(os.path.relpath(sys.argv[1], d) + '\n')" "$pure"
 }
 
 setup_shipped_host() {
