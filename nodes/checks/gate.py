@@ -28,6 +28,7 @@ from typing import Any, Callable, ClassVar, Mapping
 from ...training.checks import number_problem, show
 from ..host.comfy_io import io
 from .file_names import name_problem
+from .graph import MARK  # a rule across nodes, refused through this input (graph.py): the node's check says it
 
 MAX_LISTED_OPTIONS = 12
 # Socket types whose real values are objects or hold tensors. A value typed into an API prompt (JSON: text, numbers,
@@ -69,7 +70,7 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
         return f"is not an option; choose one of {_options_text(options)}"
     if kind == "BOOLEAN":
         return None if isinstance(value, bool) else "is not a boolean; use true or false"
-    if kind in SOCKET_KINDS and _typed_in(value):
+    if kind in SOCKET_KINDS and _typed_in(value) and not (isinstance(value, dict) and MARK in value):
         return (f"is a value typed into the prompt, not a {kind}; connect a {kind} output to it (in an API prompt: "
                 "a link [node_id, output_index])")
     if kind == "STRING":
