@@ -22,7 +22,7 @@ from ...lora.config import LoRAConfig
 from ...lora.layer import LoRAAdapter, LoRASet, lora_linear
 from ...lora.linear import recomputable
 from ...lora.locon import ConvGeometry, LoConAdapter, lora_conv2d
-from ...lora.file import LoRAFactors, default_key_style, lora_metadata, read_lora_file
+from ...lora.file import LoRAFactors, default_key_style, lora_metadata, lora_state_dict, read_lora_file, save_lora_file
 from ...lora.formats import fit_rank, parse_lora
 from ...training.checks import show
 from ...lora.targets import TargetPlan, plan_targets as _plan_targets
@@ -230,6 +230,17 @@ def build_lora_metadata(model, info: ModelInfo, lora_set: LoRASet,
                          mixed_precision=_mixed_precision(model), extra=md)
 
 
+def write_lora(path: str, model, info: ModelInfo, lora_set: LoRASet, key_style: str, save_dtype: str = "fp32",
+               extra: Mapping[str, object] | None = None, overwrite: bool = False) -> str:
+    """The one way the pack writes a LoRA file (Save LoRA, periodic checkpoints, EMA files): the state dict in
+    ``key_style`` / ``save_dtype`` (ValueError when a value does not fit that dtype), its metadata
+    (``build_lora_metadata``), then ``lora.file.save_lora_file``, which refuses NaN/inf (``NonFiniteError``) and an
+    existing ``path`` unless ``overwrite`` before writing, and writes atomically: a failure leaves no file behind.
+    Returns the absolute path."""
+    tensors = lora_state_dict(lora_set, key_style, save_dtype)
+    return save_lora_file(path, tensors, build_lora_metadata(model, info, lora_set, extra), overwrite=overwrite)
+
+
 # ---- loading a LoRA file onto a model ---------------------------------------------------------------------
 
 def load_lora_fp32(model, tensors: Mapping[str, torch.Tensor], strength: float, name: str):
@@ -305,6 +316,24 @@ def save_folder(folder: str) -> str:
     if folder == "output":
         return os.path.abspath(folder_paths.get_output_directory())
     raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: folder={folder!r} is unknown: use one of {list(SAVE_FOLDERS)}")
+
+
+def folders_made_for(folder: str, prefix: str) -> list[str]:
+    """The subfolders of ``prefix`` under the save folder that do not exist yet (deepest first): what saving there
+    creates, and removes again (when still empty) if the save fails."""
+    base = save_folder(folder)
+    missing, at = [], os.path.dirname(os.path.join(base, prefix.replace("\\", "/").strip()))
+    while at.startswith(base + os.sep) and not os.path.isdir(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    return missing
+
+
+def remove_empty(folders: Sequence[str]) -> None:
+    """Removes each folder of ``folders`` (deepest first) that exists and is empty."""
+    for at in folders:
+        if os.path.isdir(at) and not os.listdir(at):
+            os.rmdir(at)
 
 
 def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:

@@ -10,9 +10,9 @@ import torch
 from ...attention.backends import BACKENDS
 from ...attention.config import SCALE_MODES, AttentionConfig
 from ...training.checkpoint import save_state, state_beside
-from ...training.guard import NonFiniteError, assert_finite
+from ...training.guard import NonFiniteError
 from ...lora.config import ADAPTER_KINDS, MAX_LOKR_FACTOR, MAX_RANK, PARAM_DTYPES, LoRAConfig
-from ...lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, lora_state_dict, read_lora_file, save_lora_file
+from ...lora.file import KEY_STYLES, SAVE_DTYPES, default_key_style, read_lora_file
 from ...lora.targets import preset_names
 from . import glue
 from .trained_over import missing_adapters, missing_note
@@ -165,47 +165,52 @@ class PrecisionSaveLoRA(PrecisionNode):
                                      "PrecisionTrainLoRA whose model you save")
         info = glue.describe_model(model)
         style = default_key_style(info.family) if key_style == "auto" else key_style
-        tensors = _save_tensors(cls.NODE, lora_set, style, save_dtype)
+        made = glue.folders_made_for(folder, filename_prefix)
+        try:
+            return cls._save(model, lora_set, info, style, folder, filename_prefix, save_dtype, use_counter, overwrite,
+                             training_state)
+        except BaseException:
+            glue.remove_empty(made)  # a failed save leaves nothing behind, not even the folders made for it
+            raise
+
+    @classmethod
+    def _save(cls, model, lora_set, info, style: str, folder: str, filename_prefix: str, save_dtype: str,
+              use_counter: bool, overwrite: bool, training_state) -> io.NodeOutput:
         path = glue.resolve_save_path(folder, filename_prefix, use_counter)
         state_path = None if training_state is None else state_beside(path)
         extra = {"ss_key_style": style, "ss_save_dtype": save_dtype}
         if state_path is not None:
             extra["precision_lora_training_state"] = os.path.basename(state_path)
-        metadata = glue.build_lora_metadata(model, info, lora_set, extra)
-        for target in (path, state_path):  # checked before anything is written
+        for target in (path, state_path):  # both checked before either is written
             if target is not None and os.path.exists(target) and not overwrite:
                 raise _err(cls.NODE, f"{os.path.basename(target)} exists in {os.path.dirname(target)}: enable "
                                      "overwrite or use_counter, or change filename_prefix")
+        path = _write(cls.NODE, path, model, info, lora_set, style, save_dtype, extra)
         if state_path is not None:
             try:
                 save_state(state_path, training_state)
-            except NonFiniteError as e:
-                raise _err(cls.NODE, f"input 'training_state' holds NaN/inf; nothing was written ({e})") from e
-        try:
-            path = save_lora_file(path, tensors, metadata, overwrite=overwrite)
-        except BaseException:
-            if state_path is not None and os.path.exists(state_path):
-                os.remove(state_path)  # a state without its LoRA would be a half-written save
-            raise
+            except BaseException as e:
+                os.remove(path)  # a LoRA whose training state could not be written would be a half-written save
+                if isinstance(e, NonFiniteError):
+                    raise _err(cls.NODE, f"input 'training_state' holds NaN/inf; nothing was written ({e})") from e
+                raise
         shown = [path] if state_path is None else [path, state_path]
         page.show_on_node("saved " + "\nand ".join(shown))
         # "precision_lora_saved": web/lora_refresh.js refreshes the LoRA lists of every loader when it sees it
         return io.NodeOutput(path, ui={"text": shown, "precision_lora_saved": [path]})
 
 
-def _save_tensors(node: str, lora_set, style: str, save_dtype: str) -> dict:
-    """The tensors to save, refused before anything is written when they hold NaN/inf or do not fit
-    ``save_dtype`` (fp16 overflow used to be written as inf and loaded silently: tests/unit/test_lora_file.py)."""
+def _write(node: str, path: str, model, info, lora_set, style: str, save_dtype: str, extra: dict) -> str:
+    """``glue.write_lora`` (the one LoRA writer), its refusals said as this node's: a value that does not fit
+    ``save_dtype`` (fp16 overflow used to be written as inf and loaded silently: tests/unit/test_lora_file.py) or
+    NaN/inf in the LoRA; nothing is written then."""
     try:
-        tensors = lora_state_dict(lora_set, style, save_dtype)
-    except ValueError as e:
-        raise _err(node, f"input 'save_dtype'={save_dtype!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
-    try:
-        assert_finite(tensors, "the LoRA")
+        return glue.write_lora(path, model, info, lora_set, style, save_dtype, extra, overwrite=True)
     except NonFiniteError as e:
         raise _err(node, f"input 'model' carries a LoRA with NaN/inf values ({str(e).replace('[Precision LoRA] ', '')}); "
                          "nothing was written: retrain with a lower learning_rate or max_grad_norm > 0") from None
-    return tensors
+    except ValueError as e:
+        raise _err(node, f"input 'save_dtype'={save_dtype!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
 
 
 def _state_mismatch(lora_set, state) -> str | None:

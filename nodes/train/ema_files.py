@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from ...lora.file import default_key_style, lora_state_dict, save_lora_file
+from ...lora.file import default_key_style
 from ...lora.layer import LoRASet
 from ...training.checkpoint import LORA_SUFFIX
-from ...training.guard import assert_finite
 from ...training.settings import TrainSettings
 from ..model.info import describe_model
-from ..lora.glue import build_lora_metadata
+from ..lora.glue import write_lora
 from .checkpoint_files import free_base, run_folder
 
 
@@ -28,10 +27,7 @@ def ema_writer(model: Any, lora_set: LoRASet, name: str, cfg: TrainSettings) -> 
     def save(step: int) -> str:
         path = free_base(run_folder(name), f"{name}_step{step:06d}_ema") + LORA_SUFFIX
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tensors = lora_state_dict(lora_set, default_key_style(info.family), "fp32")
-        assert_finite(tensors, f"EMA LoRA {os.path.basename(path)}")
-        md = build_lora_metadata(model, info, lora_set, {
+        return write_lora(path, model, info, lora_set, default_key_style(info.family), extra={
             "ss_steps": step, "precision_lora_ema": f"decay {cfg.ema_decay}, warmup {cfg.ema_warmup} steps"})
-        return save_lora_file(path, tensors, md)
 
     return save

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,16 +24,15 @@ import comfy.model_sampling as cms
 
 from ...training.checkpoint import TrainingState, write_checkpoint
 from ...training.grad import autograd_enabled, checkpoint_blocks, clone_saved_tensors, find_block_lists
-from ...training.guard import assert_finite
 from ...lora.layer import LoRASet
-from ...lora.file import default_key_style, lora_state_dict, save_lora_file
+from ...lora.file import default_key_style
 from ...training.loop import ModelFns
 from ...training.settings import TrainSettings
 from . import checkpoint_files, swap_glue
 from ..attention.reach import reach_context
 from ..host.comfy_compat import model_gradients
 from ..host.quantized import is_quantized
-from ..lora.glue import ATTACHMENT_KEY, LoRAForward, build_lora_metadata
+from ..lora.glue import ATTACHMENT_KEY, LoRAForward, write_lora
 from ..model.info import describe_model
 
 log = logging.getLogger(__name__)
@@ -307,14 +305,11 @@ def checkpoint_writer(model: Any, lora_set: LoRASet, name: str) -> Callable[[Tra
     info = describe_model(model)  # once: every checkpoint of the run shares the description
 
     def save(state: TrainingState, reason: str) -> str:
-        def write_lora(path: str) -> str:
-            tensors = lora_state_dict(lora_set, default_key_style(info.family), "fp32")
-            assert_finite(tensors, f"LoRA checkpoint {os.path.basename(path)}")
-            md = build_lora_metadata(model, info, lora_set,
-                                     {"ss_steps": state.step, "precision_lora_checkpoint": reason})
-            return save_lora_file(path, tensors, md)
+        def write(path: str) -> str:
+            return write_lora(path, model, info, lora_set, default_key_style(info.family),
+                              extra={"ss_steps": state.step, "precision_lora_checkpoint": reason})
 
-        return write_checkpoint(checkpoint_files.checkpoint_base(name, state.step), state, write_lora)
+        return write_checkpoint(checkpoint_files.checkpoint_base(name, state.step), state, write)
 
     return save
 
