@@ -124,3 +124,32 @@ def cosmos_with_lora(mods, width: int = 16, height: int = 16):
     with torch.inference_mode():
         m = mods.glue.attach_lora(model, mods.lora.LoRAConfig(rank=2, alpha=2, targets="attention"))
     return m, make_latent(model, 1, width=width, height=height), make_conditioning(model, 1)
+
+
+def memorise(model, steps: int, lr: float, *, checkpointing: bool = False, rank: int = 8):
+    """Train a rank-``rank`` LoRA (attention + MLP) on ``model`` for ``steps`` steps on one 16 px latent with the noise
+    fixed to one draw (so the loss can fall on a random tiny model; see test_train_memorise.py), through the pack's
+    own session and loop. Returns (losses, the model with the trained LoRA installed)."""
+    glue, tglue, tdata, loop = (pack_module(m) for m in ("nodes.lora.glue", "nodes.train.glue", "nodes.train.data",
+                                                          "training.loop"))
+    settings = pack_module("training.settings").TrainSettings(learning_rate=lr, gradient_checkpointing=checkpointing)
+    latent, cond = make_latent(model, 1, width=16, height=16), make_conditioning(model, 1)
+    with torch.inference_mode():
+        config = pack_module("lora.config").LoRAConfig(rank=rank, alpha=rank, targets="attention_mlp")
+        out, lora_set = tglue.fork_lora(glue.attach_lora(model, config))
+        with tglue.training_session(out, lora_set, settings) as device:
+            samples = tdata.build_samples(out, [latent], [cond], None, device)
+            base = tglue.model_fns(out, lora_set, settings, device)
+            fns, _ = fixed_noise_fns(base, samples, device)
+            result = loop.train(lora_set, samples, fns, settings, steps, seed=0)
+    return [p["loss"] for p in result.state.history], glue.install(out, lora_set)
+
+
+def fixed_noise_fns(base, samples, device, seed: int = 3):
+    """The model's training functions (``nodes.train.glue.model_fns``) with the noise fixed to one seeded draw, so a
+    loss can fall on a random tiny model (the memorisation tests): (functions, the noise)."""
+    import dataclasses
+
+    fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(seed)).to(device)
+    return dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
+                               target=lambda s, n, x0: base.target(s, fixed, x0)), fixed

@@ -13,12 +13,14 @@ installed by scripts/setup.sh).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
 import sys
 import tarfile
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+from unpack_comfyui import sha256_of  # noqa: E402  (the one sha256 of the set-up's tarballs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.environ.get("PRECISION_LORA_SHARED", os.path.join(ROOT, "..", "shared")), "custom_nodes")
@@ -29,14 +31,6 @@ PACKS = {
     GGUF: ("ComfyUI-GGUF-795e451.tar.gz", "9fdfa050c2ebb8e8cf9ef50eb9844ecd9bdf410b247a4518bcb1924b7e8ca056"),
     KJNODES: ("ComfyUI-KJNodes-3f20054.tar.gz", "717abbb13664e4b25894992d1e9174f51f1d8920320d935c04a9bf0710b90597"),
 }
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def unpacked(folder: str) -> str:
@@ -55,7 +49,7 @@ def unpacked(folder: str) -> str:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: the tests install {folder} from ../shared/custom_nodes/ "
                                     "beside the repository (PRECISION_LORA_SHARED points elsewhere)")
-        got = _sha256(path)
+        got = sha256_of(path)
         if got != sha:
             raise ValueError(f"{path}: sha256 {got}, expected {sha} (../shared/custom_nodes/README.md)")
         tmp = tempfile.mkdtemp(dir=CACHE)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from models import denoise, make_conditioning, make_latent, tiny_flux1
+from models import denoise, fixed_noise_fns, make_conditioning, make_latent, tiny_flux1
 
 KINDS = ("lokr", "loha", "dora")
 SAVE_ARGS = dict(folder="loras", save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
@@ -124,9 +124,7 @@ def test_tiny_flux_memorisation_loss_falls_with_each_adapter(kind, lr, pack_modu
         with tglue.training_session(out, lora_set, settings) as device:
             samples = tdata.build_samples(out, [latent], [cond], None, device)
             base = tglue.model_fns(out, lora_set, settings, device)
-            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3)).to(device)
-            fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
-                                      target=lambda s, n, x0: base.target(s, fixed, x0))
+            fns, _ = fixed_noise_fns(base, samples, device)
             result = loop.train(lora_set, samples, fns, settings, 30, seed=0)
     losses = [p["loss"] for p in result.state.history]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

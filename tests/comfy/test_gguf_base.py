@@ -20,7 +20,7 @@ import torch
 
 import gguf_models
 import other_packs
-from models import denoise, make_conditioning, make_latent, randomize_lora
+from models import denoise, memorise, randomize_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -141,24 +141,6 @@ def test_each_adapted_layer_equals_the_dequantized_weight_plus_fp32_delta(env, q
     assert worst < 1e-5, f"{qtype}: worst relative error {worst:.3g}"
 
 
-def memorise(env: Env, model, steps: int, lr: float, *, checkpointing: bool = False, rank: int = 8):
-    """Train a rank-``rank`` LoRA on ``model`` for ``steps`` steps on one latent with the noise fixed to one draw (so
-    the loss can fall on a random tiny model; see test_train_memorise.py). Returns (losses, trained model)."""
-    settings = env.Settings(learning_rate=lr, gradient_checkpointing=checkpointing)
-    latent, cond = make_latent(model, 1, width=16, height=16), make_conditioning(model, 1)
-    with torch.inference_mode():
-        attached = env.glue.attach_lora(model, env.LoRAConfig(rank=rank, alpha=rank, targets="attention_mlp"))
-        out, lora_set = env.tglue.fork_lora(attached)
-        with env.tglue.training_session(out, lora_set, settings) as device:
-            samples = env.tdata.build_samples(out, [latent], [cond], None, device)
-            base = env.tglue.model_fns(out, lora_set, settings, device)
-            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3)).to(device)
-            fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
-                                      target=lambda s, n, x0: base.target(s, fixed, x0))
-            result = env.loop.train(lora_set, samples, fns, settings, steps, seed=0)
-    return [p["loss"] for p in result.state.history], env.glue.install(out, lora_set)
-
-
 def _raw(model) -> dict[str, torch.Tensor]:
     """Every GGUF parameter's stored blocks (a copy, as a plain tensor: ``GGMLTensor.clone`` returns itself)."""
     with torch.inference_mode():
@@ -200,7 +182,7 @@ def trained(env: Env, qtype: str, model=None):
     if qtype not in _TRAINED:
         if model is None:
             model = load_original() if qtype == "original" else load_gguf(env, qtype)
-        _TRAINED[qtype] = memorise(env, model, STEPS, LR)
+        _TRAINED[qtype] = memorise(model, STEPS, LR)
     return _TRAINED[qtype]
 
 

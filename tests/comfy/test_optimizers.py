@@ -8,12 +8,11 @@ the noise fixed to one draw, as in test_train_memorise.py: the (latent, noise) p
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 
-from models import make_conditioning, make_latent, tiny_flux1
+from models import fixed_noise_fns, make_conditioning, make_latent, tiny_flux1
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,9 +41,7 @@ def _train(pack_module, flux, settings, steps: int, state=None, eval_draws: int 
         with tglue.training_session(out, lora_set, settings) as device:
             samples = tdata.build_samples(out, [latent], [cond], None, device)
             base = tglue.model_fns(out, lora_set, settings, device)
-            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3)).to(device)
-            fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
-                                      target=lambda s, n, x0: base.target(s, fixed, x0))
+            fns, fixed = fixed_noise_fns(base, samples, device)
             before = _eval(fns, samples[0], fixed, eval_draws)
             result = loop.train(lora_set, samples, fns, settings, steps, seed=0, state=state)
             after = _eval(fns, samples[0], fixed, eval_draws)

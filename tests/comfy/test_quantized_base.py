@@ -7,7 +7,6 @@ in metadata (the pack's loader), tiny Cosmos files load through ComfyUI's stock 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -15,7 +14,7 @@ import os
 import pytest
 import torch
 
-from models import denoise, make_conditioning, make_latent, randomize_lora
+from models import denoise, make_conditioning, make_latent, memorise, randomize_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,24 +165,6 @@ def test_each_adapted_layer_equals_dequantized_weight_plus_fp32_delta(m, loader,
     assert worst < 1e-5, f"{fmt} via {loader}: worst relative error {worst:.3g}"
 
 
-def _memorise(m, model, steps: int, lr: float, rank: int = 8):
-    """Train a rank-``rank`` LoRA for ``steps`` steps on one latent with the noise fixed to one draw (so the
-    loss can fall on a random tiny model; see test_train_memorise.py). Returns (losses, trained model)."""
-    settings = m.Settings(learning_rate=lr)
-    latent, cond = make_latent(model, 1, width=16, height=16), make_conditioning(model, 1)
-    with torch.inference_mode():
-        attached = m.glue.attach_lora(model, m.LoRAConfig(rank=rank, alpha=rank, targets="attention_mlp"))
-        out, lora_set = m.tglue.fork_lora(attached)
-        with m.tglue.training_session(out, lora_set, settings) as device:
-            samples = m.tdata.build_samples(out, [latent], [cond], None, device)
-            base = m.tglue.model_fns(out, lora_set, settings, device)
-            fixed = torch.randn((1, *samples[0].latent.shape), generator=torch.Generator().manual_seed(3)).to(device)
-            fns = dataclasses.replace(base, noise_latent=lambda s, n, x0: base.noise_latent(s, fixed, x0),
-                                      target=lambda s, n, x0: base.target(s, fixed, x0))
-            result = m.loop.train(lora_set, samples, fns, settings, steps, seed=0)
-    return [p["loss"] for p in result.state.history], m.glue.install(out, lora_set)
-
-
 @pytest.mark.parametrize("loader", ["stock", "pack"])
 def test_scaled_fp8_trains_and_its_lora_stock_loads_on_fp8_and_bf16(m, loader, caplog):
     """Issue 29's acceptance: training on a scaled-fp8 checkpoint written in ComfyUI's format: the loss falls,
@@ -198,7 +179,7 @@ def test_scaled_fp8_trains_and_its_lora_stock_loads_on_fp8_and_bf16(m, loader, c
     write_quantized(m, family, "scaled_fp8", name)
     model = load(m, via, name)
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
-    losses, trained = _memorise(m, model, 12, 4e-3)
+    losses, trained = memorise(model, 12, 4e-3)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.8 * first, f"loss did not fall: first-3 mean {first:.4f}, last-3 mean {last:.4f} ({losses})"
     after = model.model.diffusion_model.state_dict()
