@@ -71,8 +71,9 @@ def value_problem(kind: Any, info: Mapping[str, Any], value: Any, file_name: tup
     if kind == "BOOLEAN":
         return None if isinstance(value, bool) else "is not a boolean; use true or false"
     if kind in SOCKET_KINDS and _typed_in(value) and not (isinstance(value, dict) and MARK in value):
-        return (f"is a value typed into the prompt, not a {kind}; connect a {kind} output to it (in an API prompt: "
-                "a link [node_id, output_index])")
+        article = "an" if kind[0] in "AEIOU" else "a"
+        return (f"is a value typed into the prompt, not {article} {kind}; connect {article} {kind} output to it (in an "
+                "API prompt: a link [node_id, output_index])")
     if kind == "STRING":
         if not isinstance(value, str):
             return f"is not text (got {type(value).__name__}); give a text value"

@@ -83,7 +83,11 @@ def test_unusable_images_are_named(res):
         _run(res, [ok, _image(20, 20, 0.1)])
     with pytest.raises(ValueError, match=r"image 2 .* has zero size \(1, 0, 64, 3\)"):
         _run(res, [ok, ok, torch.zeros(1, 0, 64, 3)])
-    with pytest.raises(ValueError, match=r"image 0 .* is unreadable \(str\)"):
+    with pytest.raises(ValueError, match=r"image 0 .* is unreadable \(object\)"):
+        _run(res, [object()])
+    # text where an image belongs is what an API prompt can type: the input gate names it (nodes/checks/gate.py)
+    with pytest.raises(ValueError, match=r"input 'images'='not an image' is a value typed into the prompt, not an "
+                                         r"IMAGE; connect an IMAGE output to it"):
         _run(res, ["not an image"])
     with pytest.raises(ValueError, match=r"input 'texts' has 1 entries for 2 images"):
         _run(res, [ok, ok], texts=["a"])
