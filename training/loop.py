@@ -139,10 +139,8 @@ class _Run:
         self.module, self.data, self.fns, self.s, self.seed = module, data, fns, settings, seed
         self.parallel = parallel
         self.names = {id(p): n for n, p in module.named_parameters()}
-        groups = _param_groups(module, settings)
         self.gen = torch.Generator().manual_seed(seed)
-        self.masters = MasterWeights(groups, self.gen)
-        self.optimizer = build_optimizer(groups, settings.optimizer, settings.hyperparams)
+        self.masters, self.optimizer = optimizer_parts(module, settings, self.gen)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.guard = NanGuard(settings.nan_patience, settings.nan_policy)
         self.step, self.history = 0, []
@@ -263,12 +261,10 @@ class _Run:
                        sigma: torch.Tensor, batch: int, dop_on: bool,
                        empty: bool) -> tuple[torch.Tensor, torch.Tensor]:
         fns, s = self.fns, self.s
-        x_t = fns.noise_latent(sigma, noise, x0)
-        target = fns.target(sigma, noise, x0)
         share = len(ids) / batch
         conds = [self.data[i].empty_cond if empty else self.data[i].cond for i in ids]
-        loss = weighted_mse(fns.predict(x_t, sigma, fns.collate(conds)),
-                            target, loss_weight(s.loss_weighting, u).float()) * share
+        loss, x_t = denoising_loss(fns, fns.predict, x0, noise, u, sigma, fns.collate(conds), s.loss_weighting)
+        loss = loss * share
         dop = torch.zeros((), device=loss.device)
         if dop_on:
             ccond = fns.collate([self.data[i].class_cond for i in ids])
@@ -371,6 +367,24 @@ def _abort_step(run: _Run) -> None:
     gen_state, extra = run._step_start
     run.gen.set_state(gen_state)
     _set_extra_rng(run.module, extra)
+
+
+def denoising_loss(fns: ModelFns, predict: Callable[..., torch.Tensor], x0: torch.Tensor, noise: torch.Tensor,
+                   u: torch.Tensor, sigma: torch.Tensor, cond: Any, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weighted denoising loss of ``predict`` on ``x0`` noised with ``noise`` at ``sigma`` (drawn at ``u``),
+    the noised latent). The loss of every training step, and of the memory planner's tracked step
+    (``training.memory_step.make_step``)."""
+    x_t = fns.noise_latent(sigma, noise, x0)
+    target = fns.target(sigma, noise, x0)
+    return weighted_mse(predict(x_t, sigma, cond), target, loss_weight(weighting, u).float()), x_t
+
+
+def optimizer_parts(module: nn.Module, settings: TrainSettings,
+                    gen: torch.Generator) -> tuple[MasterWeights, torch.optim.Optimizer]:
+    """(fp32 masters, optimizer) over ``module``'s parameter groups (LoRA+ groups for a LoRA set), as a run
+    builds them and as the memory planner's tracked step does (``nodes/train/memory_estimate.py``)."""
+    groups = _param_groups(module, settings)
+    return MasterWeights(groups, gen), build_optimizer(groups, settings.optimizer, settings.hyperparams)
 
 
 def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:

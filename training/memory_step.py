@@ -157,18 +157,17 @@ def summarize(tracker: MemTracker, census: list[dict], flops: int = 0) -> StepMe
 
 
 def make_step(predict: Callable[..., torch.Tensor], x0: torch.Tensor, cond: Any, fns: Any, settings: Any,
-              optimizer: torch.optim.Optimizer, masters: Any, sampling: Any) -> Callable[[], None]:
-    """The loop's step for one fixed sample at a fixed sigma (values do not change the memory).
-    ``sampling``: the pack's ``training.sampling`` module (its loss)."""
-    loss_weight, weighted_mse = sampling.loss_weight, sampling.weighted_mse
+              optimizer: torch.optim.Optimizer, masters: Any) -> Callable[[], None]:
+    """The loop's step for one fixed sample at a fixed sigma (values do not change the memory): its loss
+    (``loop.denoising_loss``, the one every run computes) and backward, then the masters and optimizer as
+    ``loop._Run.one_step`` drives them, less what reads values back (module docstring)."""
+    from .loop import denoising_loss
 
     def step() -> None:
         noise = torch.randn_like(x0)
         u = torch.full((x0.shape[0],), 0.5, dtype=torch.float64, device=x0.device)
         sigma = torch.full((x0.shape[0],), 0.5, dtype=torch.float32, device=x0.device)
-        x_t = fns.noise_latent(sigma, noise, x0)
-        target = fns.target(sigma, noise, x0)
-        loss = weighted_mse(predict(x_t, sigma, cond), target, loss_weight(settings.loss_weighting, u).float())
+        loss, _ = denoising_loss(fns, predict, x0, noise, u, sigma, cond, settings.loss_weighting)
         (loss / settings.grad_accum).backward()
         masters.pull_grads()
         optimizer.step()

@@ -246,29 +246,26 @@ def _ordinary_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else copy
 
 
+def checkpointed_blocks(dm: Any, on: bool = True) -> list:
+    """The blocks a run checkpoints (and block swap streams), in execution order; none when ``on`` is False.
+
+    Every block of the model's block lists but the last: backward needs the last block's activations first,
+    so recomputing them would cost a block's forward without lowering the peak (bench/train.py measures
+    both). The one place this rule is written: the session, the memory planner and its block sizes."""
+    return find_block_lists(dm, BLOCK_LISTS)[:-1] if on else []
+
+
 @contextlib.contextmanager
-def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
-    """Load ``model`` (with its object patches) through model management, make its weights ordinary
-    tensors (``normal_weights``), freeze them, enable autograd and make ComfyUI's model code differentiable
-    (``comfy_compat.model_gradients``), optionally checkpoint blocks for the body; undo all of it but the
-    weight conversion on exit (also on error, stop and cancel). Yields the device."""
+def step_context(model: Any, lora_set: LoRASet, settings: TrainSettings, blocks: list,
+                 swapped: list | tuple = (), device: Any = None) -> Iterator[None]:
+    """What every training step runs under, for the run (``training_session``) and for the memory planner's
+    estimate (``memory_estimate.run_step``) alike: the base weights frozen, autograd on, ComfyUI's model code
+    differentiable (``comfy_compat.model_gradients``), the attention override's reach (``reach_context``),
+    HiDream O1's prompt-prefix cache kept out (``_prefix_cache_training``), ``swapped`` blocks streaming to
+    ``device``, ``blocks`` checkpointed (in-place-safe saved tensors, the LoRA dropout's RNG, block inputs in
+    host memory as ``settings`` say). Undone on exit (also on error, stop and cancel)."""
     dm = model.model.diffusion_model
-    # The last block is left out: backward needs its activations first, so recomputing them would
-    # cost a block's forward without lowering the peak (bench/train.py measures both).
-    blocks = find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
-    swapped = swap_glue.swapped_blocks(blocks, settings, describe_model(model).family)
-    if swapped:  # the pack places the model (swap_glue: who owns placement while blocks stream)
-        swap_glue.load_resident(model, swapped)
-    else:
-        mm.load_models_gpu([model], force_full_load=True)
-    device = model.load_device
-    converted = normal_weights(dm)
-    if converted:
-        log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
-                 "(once per load)", converted)
     frozen = [(p, p.requires_grad) for p in dm.parameters()]
-    with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
-        lora_set.to(device)
     try:
         with autograd_enabled(), model_gradients(), reach_context(model), _prefix_cache_training(dm):
             for p, _ in frozen:
@@ -277,10 +274,36 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
             with swap_glue.streaming(swapped, device), \
                     checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(model), rng=lora_set.rng,
                                       offload_inputs=settings.offload_block_inputs):
-                yield device
+                yield
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> Iterator[torch.device]:
+    """Load ``model`` (with its object patches) through model management (or, with blocks swapped, place it
+    as ``swap_glue`` does), make its weights ordinary tensors (``normal_weights``), move the LoRA set there,
+    and run the body under ``step_context``; unload afterwards (also on error, stop and cancel). Yields the
+    device."""
+    dm = model.model.diffusion_model
+    blocks = checkpointed_blocks(dm, settings.gradient_checkpointing)
+    swapped = swap_glue.swapped_blocks(blocks, settings, describe_model(model).family)
+    if swapped:  # the pack places the model (swap_glue: who owns placement while blocks stream)
+        swap_glue.load_resident(model, swapped)
+    else:
+        mm.load_models_gpu([model], force_full_load=True)
+    device = model.load_device
+    try:
+        converted = normal_weights(dm)
+        if converted:
+            log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
+                     "(once per load)", converted)
+        with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
+            lora_set.to(device)
+        with step_context(model, lora_set, settings, blocks, swapped, device):
+            yield device
+    finally:
         if swapped:
             swap_glue.unload_resident(model)
         else:

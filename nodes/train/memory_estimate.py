@@ -2,8 +2,9 @@
 
 The core of ``bench/memory.py`` (docs/memory.md), here so the training node can plan a VRAM budget
 (``budget.py``). ``run_step`` attaches a LoRA of the given config as ``PrecisionAttachLoRA`` does, runs the
-pack's training step twice (``training.memory_step``: loss, backward, optimizer with its fp32 masters,
-checkpointing as ``training_session`` applies it) under torch's ``MemTracker`` and returns the tracked
+pack's training step twice (``training.memory_step``: the loop's loss, backward, optimizer with its fp32
+masters, under the session's own ``glue.step_context``: checkpointing, freezing, the attention reach, as a
+run applies them) under torch's ``MemTracker`` and returns the tracked
 peak by kind, the FLOPs and each swappable block's weight bytes. ``fake_twin`` builds the model a
 ModelPatcher holds again from its own ``model_config`` (unet_config, weight and compute dtypes) under
 ``FakeTensorMode``: shapes and dtypes, no memory, no weights read. ``step_cost`` turns a run into
@@ -20,13 +21,12 @@ import comfy.model_patcher
 
 from ...lora import linear
 from ...lora.config import LoRAConfig
-from ...training import grad, masters as masters_mod, memory_step, optim, sampling
+from ...training import grad, loop, memory_step
 from ...training.memory_plan import StepCost
 from ...training.settings import TrainSettings
 from ..host import gguf
-from ..host.comfy_compat import model_gradients
 from ..lora.glue import attach_lora, get_lora_set
-from .glue import BLOCK_LISTS, model_fns, needs_in_place_fix
+from .glue import checkpointed_blocks, model_fns, step_context
 
 
 def sdpa_override(counter: dict) -> Any:
@@ -113,36 +113,28 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
         dm = attached.model.diffusion_model
         fns = model_fns(attached, lora_set, settings, device or torch.device("cpu"))
         cond = fns.collate(conds)
-        groups = lora_set.param_groups(settings.learning_rate, settings.loraplus_ratio)
-        masters = masters_mod.MasterWeights(groups, torch.Generator().manual_seed(0))
-        optimizer = optim.build_optimizer(groups, settings.optimizer, settings.hyperparams)
+        masters, optimizer = loop.optimizer_parts(lora_set, settings, torch.Generator().manual_seed(0))
         undo = patched_forwards(attached)
-        frozen = [(p, p.requires_grad) for p in dm.parameters()]
         try:
-            with _cuda_gemm(cuda_gemm), grad.autograd_enabled(), model_gradients():
-                for p, _ in frozen:
-                    p.requires_grad_(False)
+            blocks = checkpointed_blocks(dm, settings.gradient_checkpointing)
+            with _cuda_gemm(cuda_gemm), step_context(attached, lora_set, settings, blocks):
                 lora_set.train(True)
-                blocks = grad.find_block_lists(dm, BLOCK_LISTS)[:-1] if settings.gradient_checkpointing else []
-                with grad.checkpoint_blocks(blocks, in_place_adds=needs_in_place_fix(attached), rng=lora_set.rng,
-                                            offload_inputs=settings.offload_block_inputs):
-                    def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
-                        out = fns.predict(*args)
-                        counter.setdefault("forward", counter.get("flops", 0))
-                        return out
 
-                    step = memory_step.make_step(predict, x0, cond, fns, settings, optimizer, masters, sampling)
-                    flops = FlopCounterMode(display=False)
-                    with flops:  # a first step outside the tracker: FLOPs, attention calls, optimizer state
-                        step()
-                    # forward + recomputation (counted as called) + backward (twice the forward's)
-                    attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
-                    if on_second_step is not None:
-                        on_second_step()
-                    tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
+                def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
+                    out = fns.predict(*args)
+                    counter.setdefault("forward", counter.get("flops", 0))
+                    return out
+
+                step = memory_step.make_step(predict, x0, cond, fns, settings, optimizer, masters)
+                flops = FlopCounterMode(display=False)
+                with flops:  # a first step outside the tracker: FLOPs, attention calls, optimizer state
+                    step()
+                # forward + recomputation (counted as called) + backward (twice the forward's)
+                attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
+                if on_second_step is not None:
+                    on_second_step()
+                tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
         finally:
-            for p, flag in frozen:
-                p.requires_grad_(flag)
             for owner, attr, had in undo:
                 if not had:
                     owner.__dict__.pop(attr, None)
@@ -156,7 +148,7 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
 def block_bytes(dm: Any) -> list[int]:
     """Weight bytes of each block the pack would checkpoint/swap, in execution order: every block but the last
     (the training session checkpoints ``[:-1]``, and ``swap_blocks`` streams checkpointed blocks only)."""
-    blocks = grad.find_block_lists(dm, BLOCK_LISTS)[:-1]
+    blocks = checkpointed_blocks(dm)
     return [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
 
 

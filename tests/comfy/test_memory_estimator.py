@@ -7,6 +7,7 @@ checked through the estimator too (fp32 LoRA path vs plain bf16 LoRA on the same
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import memory  # noqa: E402  (bench/memory.py)
 import memory_models  # noqa: E402
 import memory_step  # noqa: E402
+from models import tiny_flux1  # noqa: E402
 
 SIZE, RANK, TOKENS = 64, 4, 8
 
@@ -77,6 +79,42 @@ def test_fp32_lora_activations_within_5_percent_of_a_bf16_lora(pack_module, one_
              for fp32 in (True, False)}
     act = {fp32: k["Activation"] + k["Temp"] for fp32, k in kinds.items()}
     assert act[True] <= 1.05 * act[False], act
+
+
+def test_the_estimate_follows_a_change_to_the_training_session(pack_module, one_thread, monkeypatch):
+    """#34: the planner estimates the session a run trains under, not a copy of it. A context added to the
+    session (here: one that makes every forward of the diffusion model hold an extra 8 MiB tensor until the
+    step ends) raises the estimate by at least that, and the real training session enters it too."""
+    tglue = pack_module("nodes.train.glue")
+    extra, held, entered = 8 * 2**20, [], []
+    plain = _estimated(pack_module, False)
+
+    original = tglue._prefix_cache_training
+
+    @contextlib.contextmanager
+    def heavier(dm):
+        entered.append(type(dm).__name__)
+        handle = dm.register_forward_pre_hook(lambda module, args: held.append(torch.empty(extra // 4)))
+        try:
+            with original(dm):
+                yield
+        finally:
+            handle.remove()
+            held.clear()
+
+    monkeypatch.setattr(tglue, "_prefix_cache_training", heavier)
+    heavy = _estimated(pack_module, False)
+    assert entered and held == []
+    assert heavy["peak"] >= plain["peak"] + extra, (heavy["peak"], plain["peak"])
+    assert heavy["lora_bytes"] == plain["lora_bytes"] and heavy["matmul_flops"] == plain["matmul_flops"]
+    # the run's own session enters the same context
+    entered.clear()
+    model = tiny_flux1()
+    glue, cfg = pack_module("nodes.lora.glue"), pack_module("lora.config").LoRAConfig(rank=4, alpha=4)
+    with torch.inference_mode():
+        out, lora_set = tglue.fork_lora(glue.attach_lora(model, cfg))
+        with tglue.training_session(out, lora_set, pack_module("training.settings").TrainSettings()):
+            assert entered == [type(out.model.diffusion_model).__name__]
 
 
 def test_the_stock_tracker_refuses_frozen_parameters_and_ours_counts_them():
