@@ -22,6 +22,7 @@ and the settings run as set.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -94,6 +95,43 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
     planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks,
                                   offload_block_inputs=plan.offload_inputs)
     return planned, line + "".join(notes)
+
+
+PLANNED = ("gradient_checkpointing", "offload_block_inputs", "swap_blocks")  # what a plan decides
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStep:
+    """The memory planner's step of one run: the settings as the user set them (``chosen``: the training
+    state keeps them, so a resumed run compares what was chosen with what is chosen), the settings the
+    training session runs with (``session``: the plan's checkpointing, block inputs in host memory and
+    swap_blocks) and the report line (None: no budget)."""
+
+    chosen: TrainSettings
+    session: TrainSettings
+    line: str | None
+
+    def planned(self) -> dict[str, dict[str, Any]]:
+        """Each setting the plan decided: ``{"set": what the user set, "planned": what the session runs}``;
+        empty when nothing was planned (no budget, or "auto" on a device without VRAM)."""
+        if self.session is self.chosen:
+            return {}
+        return {name: {"set": getattr(self.chosen, name), "planned": getattr(self.session, name)} for name in PLANNED}
+
+    def metadata(self) -> dict[str, str]:
+        """The LoRA metadata of the plan: its report line and, as JSON, what it decided."""
+        if self.line is None:
+            return {}
+        planned = self.planned()
+        return {"precision_lora_vram_plan": self.line,
+                **({"precision_lora_planned": json.dumps(planned, sort_keys=True)} if planned else {})}
+
+
+def plan_step(model: Any, cfg: TrainSettings, latents: list, conditioning: list,
+              say: Callable[[str], None] = lambda text: None) -> PlanStep:
+    """``plan_budget`` as a named step that keeps the user's settings apart from the plan's."""
+    session, line = plan_budget(model, cfg, latents, conditioning, say)
+    return PlanStep(cfg, session, line)
 
 
 def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool,

@@ -25,7 +25,7 @@ from .data import build_dataset
 from .checkpoint_files import verify_resume
 from .ema_files import ema_writer
 from ..checks.graph import refusal
-from .budget import plan_budget
+from .budget import plan_step
 from .glue import checkpoint_writer, fork_lora, model_fns, training_session
 from ..attention.run_report import attention_account
 from ..lora.trained_over import trained_over_metadata
@@ -352,19 +352,20 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
          changes: tuple[str, ...] = ()):
     # before anything is loaded onto the device
-    cfg, plan = plan_budget(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
-    if plan is not None:
-        log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan)
-        lora_set.info["precision_lora_vram_plan"] = plan
-        changes = (plan, *changes)
-    with training_session(model, lora_set, cfg) as device, attention_account(model) as attention:
+    # the plan decides what the session runs with; the run (its training state) keeps what the user set
+    plan = plan_step(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
+    if plan.line is not None:
+        log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan.line)
+        lora_set.info.update(plan.metadata())
+        changes = (plan.line, *changes)
+    with training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in [*report.lines(), *attention.start_lines()]:
             log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
         page.show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         start = state.step if state is not None else 0
-        lora_set.info.update(training_metadata(cfg, report.sizes, report.samples, start + steps, seed if state is None
+        lora_set.info.update(training_metadata(plan.session, report.sizes, report.samples, start + steps, seed if state is None
                                                else state.seed))
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
         fns = model_fns(model, lora_set, cfg, device)

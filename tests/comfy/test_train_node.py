@@ -5,6 +5,7 @@ under ``torch.inference_mode()``, like ComfyUI's executor does.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -299,6 +300,30 @@ def test_stopped_run_is_not_served_from_cache_and_saved_lora_records_steps(mods)
         server.send_sync = original
     assert steps == 2 and mods.glue.get_lora_set(out_model).info["ss_steps"] == "2"
     assert node.fingerprint_inputs(model=[m], steps=[6]) != before
+
+
+def test_a_vram_plan_runs_the_session_and_the_state_keeps_what_the_user_set(mods, pack_module, monkeypatch):
+    """#34: the memory planner's choices are what the training session runs with, recorded as planned (the
+    LoRA metadata: the report line and, per setting, what was set and what was planned; ss_ keys say what ran),
+    never overwriting the user's settings: the training state keeps them, so a resume with the same settings
+    reports no change (it reported 'swap_blocks 0 -> 1' when the plan overwrote them)."""
+    _, m, latent, cond = _setup(mods, "cosmos")
+    seen = []
+    real = mods.tglue.training_session
+    monkeypatch.setattr(mods.train, "training_session", lambda model, lora_set, s: seen.append(
+        (s.gradient_checkpointing, s.swap_blocks, s.offload_block_inputs)) or real(model, lora_set, s))
+    settings = mods.Settings(learning_rate=1e-3, vram_budget_gb="8", gradient_checkpointing=True, swap_blocks=1)
+    out_model, state, _, steps = _run(mods, m, latent, cond, 2, settings=settings)
+    assert steps == 2 and seen == [(True, 0, False)]  # 8 GiB: checkpointing kept, nothing swapped
+    assert (state.settings["swap_blocks"], state.settings["vram_budget_gb"]) == (1, "8")
+    info = mods.glue.get_lora_set(out_model).info
+    assert json.loads(info["precision_lora_planned"]) == {
+        "gradient_checkpointing": {"set": True, "planned": True}, "offload_block_inputs": {"set": False, "planned": False},
+        "swap_blocks": {"set": 1, "planned": 0}}
+    assert info["precision_lora_vram_plan"].startswith("vram budget 8 GiB: ")
+    assert "(the plan replaces swap_blocks=1)" in info["precision_lora_vram_plan"]
+    assert info["ss_gradient_checkpointing"] == "True"
+    assert pack_module("nodes.train.states").resume_changes(state, settings, "") == []
 
 
 def _save(mods, pack_module, model, prefix: str, state=None, overwrite: bool = False) -> str:

@@ -10,6 +10,7 @@ up = -lr g / (|g| + eps), clipping rescales g to max_grad_norm, LoRA+ multiplies
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import sys
@@ -459,8 +460,11 @@ def test_vram_budget_plans_refuses_and_says_what_auto_does(opts):
                                name="o_vram_fit")
     auto, auto_ids = train_graph({"vram_budget_gb": "auto"}, name="o_vram_auto")
     entries = opts.run_all({"fit": fit, "auto": auto})
-    plans = {key: opts.saved_lora(entries[key], ids["save"])[2]["precision_lora_vram_plan"]
-             for key, ids in (("fit", fit_ids), ("auto", auto_ids))}
+    saved = {key: opts.saved_lora(entries[key], ids["save"])[2] for key, ids in (("fit", fit_ids), ("auto", auto_ids))}
+    plans = {key: md["precision_lora_vram_plan"] for key, md in saved.items()}
+    # recorded as planned beside what was set (#34); "auto" on a CPU plans nothing
+    assert json.loads(saved["fit"]["precision_lora_planned"])["swap_blocks"] == {"set": 1, "planned": 0}
+    assert "precision_lora_planned" not in saved["auto"]
     assert plans["fit"].startswith("vram budget 4 GiB: fp32 base, checkpointing: est. 0."), plans["fit"]
     assert plans["fit"].endswith(" GiB of 4 (the plan replaces swap_blocks=1) (gradient_checkpointing on kept: "
                                  "only plans with checkpointing considered)"), plans["fit"]
