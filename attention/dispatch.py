@@ -43,7 +43,7 @@ def grads_needed(*tensors: torch.Tensor) -> bool:
 
 def no_backward_message(backend: str) -> str:
     return (
-        f"[Precision LoRA] attention backend {backend!r} has no backward pass, so training through it would "
+        f"attention backend {backend!r} has no backward pass, so training through it would "
         "silently stop the gradients; choose sdpa, stable, math, flash or xformers for training and keep "
         f"{backend!r} for inference"
     )
@@ -125,7 +125,7 @@ class AttentionDispatcher:
         if c > 0 and c < SOFTCLAMP_SAFETY * measured.max_logit:
             self.warn_once(
                 f"softclamp:{call.layer}",
-                f"[Precision LoRA] softclamp={c} is below 10x the max logit {measured.max_logit:.3g} seen in "
+                f"softclamp={c} is below 10x the max logit {measured.max_logit:.3g} seen in "
                 f"attention layer {call.layer}: it changes the pretrained model's output; use softclamp >= "
                 f"{SOFTCLAMP_SAFETY * measured.max_logit:.3g} or 0 (off)",
             )
@@ -142,7 +142,7 @@ class AttentionDispatcher:
                 return host
             self.warn_once(
                 f"auto-fallback:{host.name}",
-                f"[Precision LoRA] ComfyUI's attention backend {host.name} has no usable backward; while gradients "
+                f"ComfyUI's attention backend {host.name} has no usable backward; while gradients "
                 "are needed, the override runs these calls on sdpa instead",
             )
             name = "sdpa"
@@ -154,7 +154,7 @@ class AttentionDispatcher:
         if mask is not None and not backend.supports_mask:
             self.warn_once(
                 f"mask:{name}",
-                f"[Precision LoRA] attention backend {name!r} cannot take masks; masked calls run on sdpa",
+                f"attention backend {name!r} cannot take masks; masked calls run on sdpa",
             )
             backend = get_backend("sdpa")
         return backend

@@ -30,7 +30,7 @@ def conditioning_shape(model) -> tuple[int, int | None]:
         return int(cfg["context_dim"]), 1280
     width = cfg.get("context_dim") or cfg.get("text_emb_dim") or cfg.get("crossattn_emb_channels")
     if not width:
-        raise ValueError(f"[Precision LoRA] PrecisionDemoConditioning: no known context width for "
+        raise ValueError(f"PrecisionDemoConditioning: no known context width for "
                          f"{type(model.model.model_config).__name__}; use a real text encoder")
     return int(width), cfg.get("adm_in_channels")
 
@@ -51,7 +51,7 @@ def latent_shape(model, width: int, height: int, batch: int) -> tuple[int, ...]:
     channels = fmt.latent_channels
     down = 16 if channels == 128 else 8  # Flux.2 latents are 2x2-patchified 32-channel VAE latents
     if width % down or height % down:
-        raise ValueError(f"[Precision LoRA] PrecisionDemoLatent: width/height {width}x{height} must be "
+        raise ValueError(f"PrecisionDemoLatent: width/height {width}x{height} must be "
                          f"multiples of {down} for this model")
     spatial = (height // down, width // down)
     if fmt.latent_dimensions == 3:
@@ -127,7 +127,7 @@ def latent_to_preview(samples: torch.Tensor, upscale: int = 8) -> torch.Tensor:
     if x.ndim == 5:
         x = x[:, :, 0]
     if x.ndim != 4:
-        raise ValueError(f"[Precision LoRA] PrecisionDemoPreview: expected a 4-D or 5-D latent, got shape {tuple(x.shape)}")
+        raise ValueError(f"PrecisionDemoPreview: expected a 4-D or 5-D latent, got shape {tuple(x.shape)}")
     if x.shape[1] < 3:
         x = x[:, :1].expand(-1, 3, -1, -1)
     x = x[:, :3]

@@ -87,7 +87,7 @@ def anima_unet_config() -> dict:
     reason = anima_unavailable()
     config = cosmos_unet_config(anima=True) if reason is None else None
     if config is None or config.get("image_model") != "anima":
-        raise ValueError(f"[Precision LoRA] tiny model family 'anima': {reason or 'detection did not give anima'}; "
+        raise ValueError(f"tiny model family 'anima': {reason or 'detection did not give anima'}; "
                          "use ComfyUI 0.33 or newer")
     return config
 
@@ -96,7 +96,7 @@ def cosmos_width_config(width: int, blocks: int) -> dict:
     """A Cosmos-Predict2 config of ``width`` channels in heads of 128 (the released 2B model: 2048 channels,
     16 heads, 28 blocks) and ``blocks`` blocks: real layer widths at a size a CPU can train (benchmarks)."""
     if width < 128 or width % 128 or blocks < 1:
-        raise ValueError(f"[Precision LoRA] cosmos width={width!r}, blocks={blocks!r}: use a multiple of 128 and >= 1 block")
+        raise ValueError(f"cosmos width={width!r}, blocks={blocks!r}: use a multiple of 128 and >= 1 block")
     return {**cosmos_unet_config(), "model_channels": width, "num_blocks": blocks, "num_heads": width // 128}
 
 
@@ -106,7 +106,7 @@ def unet_config_for(family: str) -> dict:
     if family == "anima":
         return anima_unet_config()
     if family not in TINY_UNET_CONFIGS:
-        raise ValueError(f"[Precision LoRA] unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown tiny model family {family!r}; known: {', '.join(FAMILIES)}")
     if family in MODEL_CLASSES:
         return dict(TINY_UNET_CONFIGS[family])
     return fit_flux_config(TINY_UNET_CONFIGS[family])

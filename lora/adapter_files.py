@@ -70,12 +70,12 @@ def parse_adapter_file(tensors: Mapping[str, torch.Tensor], linears: Mapping[str
     for key, t in tensors.items():
         split = _split(key)
         if split is None or split[0] not in names:
-            raise ValueError(f"[Precision LoRA] {name}: key '{key}' matches no whole linear layer of this model: the "
+            raise ValueError(f"{name}: key '{key}' matches no whole linear layer of this model: the "
                              "adapter file is for another model (or splits fused layers, which the fp32 adapters do "
                              f"not); {_MERGE}")
         if split[1] in UNSUPPORTED or (split[1] in UNREPRESENTABLE and split[1] not in KIND_KEYS["dora"]
                                        and not split[1].startswith((".lokr_", ".hada_"))):
-            raise ValueError(f"[Precision LoRA] {name}: '{key}' is a form the fp32 adapters do not implement; {_MERGE}")
+            raise ValueError(f"{name}: '{key}' is a form the fp32 adapters do not implement; {_MERGE}")
         groups.setdefault(names[split[0]].path, {})[split[1]] = t
         modules[names[split[0]].path] = split[0]
     return {path: _module(modules[path], parts, linears[path], name) for path, parts in sorted(groups.items())}
@@ -98,14 +98,14 @@ def _module(module: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, in
         need = KIND_KEYS[kind]
     missing, extra = [k for k in need if k not in parts], [k for k in keys if k not in need]
     if missing or extra:
-        raise ValueError(f"[Precision LoRA] {name}: module '{module}' ({kind}) has {sorted(keys)}: "
+        raise ValueError(f"{name}: module '{module}' ({kind}) has {sorted(keys)}: "
                          f"{'missing ' + str(missing) if missing else 'mixed with ' + str(extra)}; the file is inconsistent")
     alpha = parts.get(".alpha")
     rank_key = {"lokr": ".lokr_w2_b", "loha": ".hada_w1_b"}.get(kind, ".lora_down.weight")
     rank = int(parts[rank_key].shape[0]) if rank_key in parts else None
     scale = 1.0 if alpha is None or rank is None else float(alpha.float().item()) / rank  # stock ComfyUI's rule
     if kind == "dora" and tuple(parts[".dora_scale"].shape) != (1, shape[0]):
-        raise ValueError(f"[Precision LoRA] {name}: '{module}.dora_scale' is a DoRA magnitude tensor, shape "
+        raise ValueError(f"{name}: '{module}.dora_scale' is a DoRA magnitude tensor, shape "
                          f"{tuple(parts['.dora_scale'].shape)}: the fp32 DoRA implements the per-input magnitude "
                          f"(1, {shape[0]}) that LyCORIS writes (stock ComfyUI normalises a per-row one by the original "
                          f"weight, not the adapted one); {_MERGE}")
@@ -122,7 +122,7 @@ def build_adapter(path: str, fa: FileAdapter, shape: tuple[int, int], name: str 
         b, d = (w2.shape if w2 is not None else (p[".lokr_w2_a"].shape[0], p[".lokr_w2_b"].shape[1]))
         rank = None if w2 is not None else int(p[".lokr_w2_b"].shape[0])
         if w1.dim() != 2 or w1.shape[0] * b != n_out or w1.shape[1] * d != n_in:
-            raise ValueError(f"[Precision LoRA] {name}: LoKr '{path}' is kron({tuple(w1.shape)}, ({b}, {d})) but the layer is "
+            raise ValueError(f"{name}: LoKr '{path}' is kron({tuple(w1.shape)}, ({b}, {d})) but the layer is "
                              f"{n_out}x{n_in}: the file is for another model size")
         cfg = LoRAConfig(rank=rank or 1, alpha=float(rank or 1), targets="none")
         adapter: nn.Module = LoKrAdapter(n_in, n_out, cfg, init=False, shapes=(tuple(w1.shape), (b, d), rank))
@@ -134,7 +134,7 @@ def build_adapter(path: str, fa: FileAdapter, shape: tuple[int, int], name: str 
     try:
         _load(adapter, fa)
     except ValueError as e:
-        raise ValueError(f"[Precision LoRA] {name}: {fa.kind} module '{path}': {e}; the file is for another model size") from None
+        raise ValueError(f"{name}: {fa.kind} module '{path}': {e}; the file is for another model size") from None
     return adapter
 
 

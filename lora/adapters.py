@@ -247,7 +247,7 @@ class DoRAAdapter(LoRAAdapter):
                  base_weight: torch.Tensor | None = None) -> None:
         super().__init__(in_features, out_features, config, rng=rng, init_generator=init_generator, init=init)
         if init and base_weight is None:
-            raise ValueError("[Precision LoRA] DoRA needs the base weight to start its magnitude at ||W||: pass base_weight")
+            raise ValueError("DoRA needs the base weight to start its magnitude at ||W||: pass base_weight")
         mag = torch.zeros(1, in_features) if base_weight is None else _column_norm(base_weight.detach().float().cpu())
         # fp32 whatever param_dtype: a bf16 magnitude would be ~0.4 % off ||W||, a visible jump at the first step
         self.magnitude = nn.Parameter(mag)
@@ -275,7 +275,7 @@ class DoRAAdapter(LoRAAdapter):
         return F.linear(x, (self.delta_weight_fp32(_need(weight)) * self.multiplier).to(x.dtype))
 
     def delta_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
-        raise ValueError("[Precision LoRA] a DoRA delta depends on the base weight: use add_delta_fp32(acc, x, weight)")
+        raise ValueError("a DoRA delta depends on the base weight: use add_delta_fp32(acc, x, weight)")
 
     def delta_weight_fp32(self, weight: torch.Tensor) -> torch.Tensor:
         """``W' - W`` in fp32 (out, in), strength not applied: ``W (m - n) / n + scale (up @ down) m / n``."""
@@ -307,7 +307,7 @@ class DoRAAdapter(LoRAAdapter):
 
 def _need(weight: torch.Tensor | None) -> torch.Tensor:
     if weight is None:
-        raise ValueError("[Precision LoRA] DoRA needs the layer's base weight for its norm; none was given")
+        raise ValueError("DoRA needs the layer's base weight for its norm; none was given")
     return weight
 
 

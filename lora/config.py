@@ -46,30 +46,30 @@ class LoRAConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field, the bad value and the fix."""
         if not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
-            raise ValueError(f"[Precision LoRA] LoRAConfig.rank={self.rank!r} is invalid: use an integer in [1, {MAX_RANK}]")
+            raise ValueError(f"LoRAConfig.rank={self.rank!r} is invalid: use an integer in [1, {MAX_RANK}]")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"[Precision LoRA] LoRAConfig.alpha={self.alpha!r} is invalid: use a positive number (often alpha = rank)")
+            raise ValueError(f"LoRAConfig.alpha={self.alpha!r} is invalid: use a positive number (often alpha = rank)")
         for name in ("dropout", "rank_dropout", "module_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
-                raise ValueError(f"[Precision LoRA] LoRAConfig.{name}={value!r} is invalid: use a probability in [0, 1)")
+                raise ValueError(f"LoRAConfig.{name}={value!r} is invalid: use a probability in [0, 1)")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(
-                f"[Precision LoRA] LoRAConfig.param_dtype={self.param_dtype!r} is unknown: use one of {sorted(PARAM_DTYPES)}"
+                f"LoRAConfig.param_dtype={self.param_dtype!r} is unknown: use one of {sorted(PARAM_DTYPES)}"
             )
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"[Precision LoRA] LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
+            raise ValueError(f"LoRAConfig.seed={self.seed!r} is invalid: use an integer in [0, 2**63)")
         self._validate_adapter()
         _targets.validate_target_options(self.targets, self.include, self.exclude, self.blocks)
 
     def _validate_adapter(self) -> None:
         if self.adapter not in ADAPTER_KINDS:
-            raise ValueError(f"[Precision LoRA] LoRAConfig.adapter={self.adapter!r} is unknown: use one of {list(ADAPTER_KINDS)}")
+            raise ValueError(f"LoRAConfig.adapter={self.adapter!r} is unknown: use one of {list(ADAPTER_KINDS)}")
         if not isinstance(self.lokr_factor, int) or not (self.lokr_factor == -1 or 1 <= self.lokr_factor <= MAX_LOKR_FACTOR):
-            raise ValueError(f"[Precision LoRA] LoRAConfig.lokr_factor={self.lokr_factor!r} is invalid: use -1 (as square "
+            raise ValueError(f"LoRAConfig.lokr_factor={self.lokr_factor!r} is invalid: use -1 (as square "
                              f"as possible) or an integer in [1, {MAX_LOKR_FACTOR}]")
         if self.adapter != "lora" and (self.dropout > 0 or self.rank_dropout > 0):
-            raise ValueError(f"[Precision LoRA] LoRAConfig: dropout={self.dropout!r} / rank_dropout={self.rank_dropout!r} "
+            raise ValueError(f"LoRAConfig: dropout={self.dropout!r} / rank_dropout={self.rank_dropout!r} "
                              f"act on the low-rank path of adapter 'lora' only; adapter={self.adapter!r} has none: set "
                              "both to 0 (module_dropout works with every adapter)")
 

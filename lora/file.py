@@ -68,16 +68,16 @@ def key_prefix(path: str, key_style: str) -> str:
         return KEY_STYLES["kohya"] + path.replace(".", "_")
     if key_style == "diffusion_model":
         return KEY_STYLES["diffusion_model"] + path
-    raise ValueError(f"[Precision LoRA] key_style={key_style!r} is unknown: use one of {sorted(KEY_STYLES)}")
+    raise ValueError(f"key_style={key_style!r} is unknown: use one of {sorted(KEY_STYLES)}")
 
 
 def _save_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in SAVE_DTYPES.values():
-            raise ValueError(f"[Precision LoRA] save dtype {dtype} is unsupported: use one of {sorted(SAVE_DTYPES)}")
+            raise ValueError(f"save dtype {dtype} is unsupported: use one of {sorted(SAVE_DTYPES)}")
         return dtype
     if dtype not in SAVE_DTYPES:
-        raise ValueError(f"[Precision LoRA] save dtype {dtype!r} is unknown: use one of {sorted(SAVE_DTYPES)}")
+        raise ValueError(f"save dtype {dtype!r} is unknown: use one of {sorted(SAVE_DTYPES)}")
     return SAVE_DTYPES[dtype]
 
 
@@ -104,7 +104,7 @@ def _cast(t: torch.Tensor, dt: torch.dtype, key: str) -> torch.Tensor:
     if dt != torch.float32 and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(t.detach()).all()):
         name = next(n for n, d in SAVE_DTYPES.items() if d == dt)
         peak = float(t.detach().abs().max())
-        raise ValueError(f"[Precision LoRA] save dtype {name} cannot hold '{key}': its largest value {peak:.4g} is "
+        raise ValueError(f"save dtype {name} cannot hold '{key}': its largest value {peak:.4g} is "
                          f"above {name}'s maximum {torch.finfo(dt).max:.6g} and would be written as inf; "
                          "save as fp32 (or bf16)")
     return out
@@ -156,15 +156,15 @@ def save_lora_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Map
     path = os.path.abspath(path)
     bad = {k: type(v).__name__ for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
-        raise ValueError(f"[Precision LoRA] metadata values must be strings; got {bad}: convert them with str()")
+        raise ValueError(f"metadata values must be strings; got {bad}: convert them with str()")
     if not tensors:
-        raise ValueError(f"[Precision LoRA] refusing to write an empty LoRA to '{path}'")
+        raise ValueError(f"refusing to write an empty LoRA to '{path}'")
     if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"[Precision LoRA] '{path}' exists: choose another name or enable overwrite")
+        raise FileExistsError(f"'{path}' exists: choose another name or enable overwrite")
     contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     assert_finite(contiguous, f"LoRA file {os.path.basename(path)}")
     atomic_write(path, lambda tmp: save_file(contiguous, tmp, metadata=dict(metadata)))
-    log.info("[Precision LoRA] saved %d tensors to %s", len(tensors), path)
+    log.info("saved %d tensors to %s", len(tensors), path)
     return path
 
 
@@ -173,21 +173,21 @@ def read_lora_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"[Precision LoRA] LoRA file '{path}' does not exist: check the name and the loras folder")
+        raise FileNotFoundError(f"LoRA file '{path}' does not exist: check the name and the loras folder")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for bad headers and short files
         raise ValueError(
-            f"[Precision LoRA] cannot read LoRA file '{path}' ({type(e).__name__}: {e}): the file is corrupt or "
+            f"cannot read LoRA file '{path}' ({type(e).__name__}: {e}): the file is corrupt or "
             "truncated (or not safetensors); re-save or re-download it"
         ) from None
     if not tensors:
-        raise ValueError(f"[Precision LoRA] LoRA file '{path}' holds no tensors: re-save it")
+        raise ValueError(f"LoRA file '{path}' holds no tensors: re-save it")
     bad = next((k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:
-        raise ValueError(f"[Precision LoRA] LoRA file '{path}' holds NaN/inf in '{bad}' (e.g. a LoRA with values "
+        raise ValueError(f"LoRA file '{path}' holds NaN/inf in '{bad}' (e.g. a LoRA with values "
                          "above 65504 saved as fp16): applying it would turn every output into NaN; retrain it or "
                          "save it again as fp32")
     return tensors, metadata
@@ -235,12 +235,12 @@ def parse_lora_tensors(tensors: Mapping[str, torch.Tensor], linears: Mapping[str
         groups.setdefault(prefixes[split[0]], {})[split[1]] = t
     if not groups:
         raise ValueError(
-            f"[Precision LoRA] {name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches a linear "
+            f"{name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches a linear "
             "layer of this model: it is a LoRA for another model family or architecture; pick a LoRA trained for this model"
         )
     if unknown:
         raise ValueError(
-            f"[Precision LoRA] {name}: {len(unknown)} keys do not match this model (e.g. {sorted(unknown)[:3]}): "
+            f"{name}: {len(unknown)} keys do not match this model (e.g. {sorted(unknown)[:3]}): "
             "the LoRA was trained for a different architecture or variant"
         )
     return {path: _factors(path, parts, linears[path], name) for path, parts in sorted(groups.items())}
@@ -250,15 +250,15 @@ def _factors(path: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, int
     down = next((parts[s] for s in _DOWN if s in parts), None)
     up = next((parts[s] for s in _UP if s in parts), None)
     if down is None or up is None:
-        raise ValueError(f"[Precision LoRA] {name}: module '{path}' lacks its {'down' if down is None else 'up'} factor: the file is incomplete")
+        raise ValueError(f"{name}: module '{path}' lacks its {'down' if down is None else 'up'} factor: the file is incomplete")
     n_in, n_out = shape
     if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
         raise ValueError(
-            f"[Precision LoRA] {name}: rank mismatch at '{path}': down {tuple(down.shape)} vs up {tuple(up.shape)}: the file is inconsistent"
+            f"{name}: rank mismatch at '{path}': down {tuple(down.shape)} vs up {tuple(up.shape)}: the file is inconsistent"
         )
     if down.shape[1] != n_in or up.shape[0] != n_out:
         raise ValueError(
-            f"[Precision LoRA] {name}: '{path}' is {n_out}x{n_in} in this model but the LoRA has up {tuple(up.shape)}, "
+            f"{name}: '{path}' is {n_out}x{n_in} in this model but the LoRA has up {tuple(up.shape)}, "
             f"down {tuple(down.shape)}: the LoRA was trained for a different model size"
         )
     rank = int(down.shape[0])
@@ -271,5 +271,5 @@ def file_rank(factors: Mapping[str, LoRAFactors]) -> int:
     """The single rank of a parsed file (ValueError if modules disagree)."""
     ranks = sorted({f.rank for f in factors.values()})
     if len(ranks) != 1:
-        raise ValueError(f"[Precision LoRA] the LoRA file mixes ranks {ranks}: it cannot initialise one LoRA set")
+        raise ValueError(f"the LoRA file mixes ranks {ranks}: it cannot initialise one LoRA set")
     return ranks[0]

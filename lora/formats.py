@@ -178,17 +178,17 @@ def parse_lora(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tuple[
             unknown.append(key)
     if not groups:
         raise ValueError(
-            f"[Precision LoRA] {name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches a linear "
+            f"{name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches a linear "
             "layer of this model in any format ComfyUI loads (kohya, diffusers/PEFT, ai-toolkit, diffusion_model): it "
             "is a LoRA for another model family or architecture; pick a LoRA trained for this model"
         )
     if unknown:
         raise ValueError(
-            f"[Precision LoRA] {name}: {len(unknown)} of its {len(tensors)} keys match no linear layer of this model "
+            f"{name}: {len(unknown)} of its {len(tensors)} keys match no linear layer of this model "
             f"(e.g. {sorted(unknown)[:3]}): the LoRA was trained for a different architecture or variant"
         )
     if text_encoder:
-        log.warning("[Precision LoRA] %s: %d text-encoder keys left unloaded (e.g. %s), as LoraLoaderModelOnly does",
+        log.warning("%s: %d text-encoder keys left unloaded (e.g. %s), as LoraLoaderModelOnly does",
                     name, len(text_encoder), sorted(text_encoder)[0])
     parts: dict[str, list[_Part]] = {}
     for module, roles in sorted(groups.items()):
@@ -202,30 +202,30 @@ def _part(module: str, target: Target, roles: Mapping[str, torch.Tensor], linear
     odd = sorted(r for r in roles if r in UNREPRESENTABLE)
     if odd:
         raise ValueError(
-            f"[Precision LoRA] {name}: '{module}{odd[0]}' is a {UNREPRESENTABLE[odd[0]]} tensor, which the unmerged "
+            f"{name}: '{module}{odd[0]}' is a {UNREPRESENTABLE[odd[0]]} tensor, which the unmerged "
             "fp32 adapter (Load LoRA mode fp32, init_lora) cannot represent as a low-rank pair: load this file with "
             "Load LoRA (Precision) mode 'merge' (ComfyUI's own weight patching)"
         )
     downs = [r for r in roles if r.startswith("down")]
     ups = [r for r in roles if r.startswith("up")]
     if len(downs) > 1 or len(ups) > 1:
-        raise ValueError(f"[Precision LoRA] {name}: module '{module}' is stored twice ({sorted(roles)}): the file is inconsistent")
+        raise ValueError(f"{name}: module '{module}' is stored twice ({sorted(roles)}): the file is inconsistent")
     if not downs or not ups:
-        raise ValueError(f"[Precision LoRA] {name}: module '{module}' lacks its {'down' if not downs else 'up'} factor: "
+        raise ValueError(f"{name}: module '{module}' lacks its {'down' if not downs else 'up'} factor: "
                          "the file is incomplete")
     if (downs[0][4:], ups[0][2:]) not in SPELLINGS:
-        raise ValueError(f"[Precision LoRA] {name}: module '{module}' mixes spellings ({downs[0][4:]} with "
+        raise ValueError(f"{name}: module '{module}' mixes spellings ({downs[0][4:]} with "
                          f"{ups[0][2:]}), which ComfyUI does not pair: the file is inconsistent")
     down, up = roles[downs[0]], roles[ups[0]]
     n_in, n_out = linears[target.path]
     rows = n_out if target.rows is None else target.rows[1]
     if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1]:
-        raise ValueError(f"[Precision LoRA] {name}: rank mismatch at '{module}': down {tuple(down.shape)} vs up "
+        raise ValueError(f"{name}: rank mismatch at '{module}': down {tuple(down.shape)} vs up "
                          f"{tuple(up.shape)}: the file is inconsistent")
     if down.shape[1] != n_in or up.shape[0] != rows:
         where = "" if target.rows is None else f" rows {target.rows[0]}..{sum(target.rows) - 1} of"
         raise ValueError(
-            f"[Precision LoRA] {name}: '{module}' patches{where} '{target.path}' ({rows}x{n_in} in this model) but the "
+            f"{name}: '{module}' patches{where} '{target.path}' ({rows}x{n_in} in this model) but the "
             f"LoRA has up {tuple(up.shape)}, down {tuple(down.shape)}: the LoRA was trained for a different model size"
         )
     alpha = roles.get(".alpha")
@@ -258,7 +258,7 @@ def _combine(path: str, parts: list[_Part], n_out: int) -> LoRAFactors:
         col += block.shape[1]
     scale = only.scale if same_scale else 1.0
     if len(parts) > 1:
-        log.info("[Precision LoRA] %s <- %s: one rank-%d adapter (ranks %s)%s", path, [p.name for p in parts], rank,
+        log.info("%s <- %s: one rank-%d adapter (ranks %s)%s", path, [p.name for p in parts], rank,
                  "+".join(str(int(p.down.shape[0])) for p in parts), "" if same_scale else " with per-part scales folded into up")
     return LoRAFactors(down, up, scale)
 
@@ -278,7 +278,7 @@ def fit_rank(factors: Mapping[str, LoRAFactors], rank: int, what: str) -> dict[s
         detail = (f"its modules have ranks {mixed} ('{example}' has {top}; split q/k/v or several parts fused into "
                   "one of this model's layers add their ranks up)" if len(mixed) > 1 else f"it has rank {top}")
         pad = "; modules of lower rank are zero-padded, exactly" if len(mixed) > 1 else ""
-        raise ValueError(f"[Precision LoRA] {what}: {detail} but rank={rank}: set rank to {top}{pad}")
+        raise ValueError(f"{what}: {detail} but rank={rank}: set rank to {top}{pad}")
     out = {}
     for path, f in factors.items():
         if f.rank == rank:
@@ -291,5 +291,5 @@ def fit_rank(factors: Mapping[str, LoRAFactors], rank: int, what: str) -> dict[s
         out[path] = LoRAFactors(down, up, f.scale)
     padded = sum(1 for f in factors.values() if f.rank != rank)
     if padded:
-        log.info("[Precision LoRA] %s: %d modules of lower rank zero-padded to rank %d", what, padded, rank)
+        log.info("%s: %d modules of lower rank zero-padded to rank %d", what, padded, rank)
     return out

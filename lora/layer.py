@@ -36,7 +36,7 @@ class LoRASet(nn.Module):
                  weights: Mapping[str, torch.Tensor] | None = None, adapters: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
         if not (shapes or adapters):
-            raise ValueError("[Precision LoRA] LoRASet: no target modules; widen the targets preset or the include regex")
+            raise ValueError("LoRASet: no target modules; widen the targets preset or the include regex")
         self.config = config
         # Metadata the trainer records for the file (e.g. {"ss_steps": "500"}); keys are metadata keys.
         self.info: dict[str, str] = {}
@@ -52,7 +52,7 @@ class LoRASet(nn.Module):
             n_in, n_out, *kernel = shapes[path]  # (in, out), or (in, out, kh, kw) for a Conv2d (adapter 'locon')
             if config.adapter != "lokr" and config.rank > conv_width(shapes[path]):
                 raise ValueError(
-                    f"[Precision LoRA] LoRA rank={config.rank} exceeds the width of '{path}' ({n_out}x{n_in}): "
+                    f"LoRA rank={config.rank} exceeds the width of '{path}' ({n_out}x{n_in}): "
                     f"use rank <= {conv_width(shapes[path])} or exclude that module"
                 )
             base = None if weights is None else weights.get(path)
@@ -96,7 +96,7 @@ class LoRASet(nn.Module):
         """Optimizer groups: ``lora_down`` at ``lr``, ``lora_up`` at ``lr * loraplus_ratio`` (LoRA+)."""
         if lr <= 0 or loraplus_ratio <= 0:
             raise ValueError(
-                f"[Precision LoRA] param_groups(lr={lr!r}, loraplus_ratio={loraplus_ratio!r}): both must be positive"
+                f"param_groups(lr={lr!r}, loraplus_ratio={loraplus_ratio!r}): both must be positive"
             )
         splits = [a.param_split() for a in self.adapters().values()]
         return [
@@ -116,10 +116,10 @@ class LoRASet(nn.Module):
         for path, (down, up, _s) in factors.items():
             a = adapters.get(path)
             if a is None:
-                raise ValueError(f"[Precision LoRA] init LoRA has module '{path}' that is not a target of this LoRA set")
+                raise ValueError(f"init LoRA has module '{path}' that is not a target of this LoRA set")
             if tuple(down.shape) != tuple(a.down.shape) or tuple(up.shape) != tuple(a.up.shape):
                 raise ValueError(
-                    f"[Precision LoRA] init LoRA '{path}': down {tuple(down.shape)} / up {tuple(up.shape)} do not match "
+                    f"init LoRA '{path}': down {tuple(down.shape)} / up {tuple(up.shape)} do not match "
                     f"rank {a.rank} and layer {a.out_features}x{a.in_features}; set rank to the file's rank"
                 )
         with torch.no_grad():

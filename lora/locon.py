@@ -85,7 +85,7 @@ class LoConAdapter(LoRAAdapter):
         return self._conv_delta(x, geo, x.dtype)
 
     def delta_fp32(self, x: torch.Tensor) -> torch.Tensor | None:
-        raise ValueError("[Precision LoRA] a LoCon delta is a convolution: use "
+        raise ValueError("a LoCon delta is a convolution: use "
                          "lora_conv2d(x, weight, bias, geometry, adapters)")
 
     def add_delta_fp32(self, acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

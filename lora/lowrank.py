@@ -51,7 +51,7 @@ class DropoutRNG:
         """Within the body the layers see batch rows ``start:stop`` of a global batch of ``total`` rows
         (forward and backward: a recomputation under activation checkpointing must draw the same way)."""
         if not 0 <= start < stop <= total:
-            raise ValueError(f"[Precision LoRA] DropoutRNG.global_rows({start}, {stop}, {total}): "
+            raise ValueError(f"DropoutRNG.global_rows({start}, {stop}, {total}): "
                              "need 0 <= start < stop <= total (a process without rows draws nothing)")
         previous, self._rows = self._rows, (start, stop, total)
         try:

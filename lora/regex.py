@@ -45,7 +45,7 @@ def _re2() -> Any | None:
             _engine["re2"] = importlib.import_module("re2")
         except ImportError:
             _engine["re2"] = None
-            log.warning("[Precision LoRA] google-re2 is not installed: include/exclude regexes are limited to a "
+            log.warning("google-re2 is not installed: include/exclude regexes are limited to a "
                         "bounded subset of Python's re (pip install google-re2 for any pattern in linear time)")
     return _engine["re2"]
 
@@ -57,7 +57,7 @@ def engine() -> str:
 
 def _err(field: str, pattern: str, why: str, fix: str) -> ValueError:
     shown = pattern if len(pattern) <= 60 else pattern[:60] + "..."
-    return ValueError(f"[Precision LoRA] {field} regex {shown!r} {why}: {fix}")
+    return ValueError(f"{field} regex {shown!r} {why}: {fix}")
 
 
 def compile_user_regex(pattern: str, field: str, use_re2: bool | None = None) -> Matcher | None:

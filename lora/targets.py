@@ -43,13 +43,13 @@ def parse_blocks(spec: str) -> tuple[BlockRange, ...]:
         m = _ITEM_RE.fullmatch(item)
         if m is None or (m.group(1) is not None and m.group(1) not in BLOCK_GROUPS):
             raise ValueError(
-                f"[Precision LoRA] blocks filter item {show(item)} is invalid: use 'N', 'N-M' or '<group>:N-M' with group "
+                f"blocks filter item {show(item)} is invalid: use 'N', 'N-M' or '<group>:N-M' with group "
                 f"in {list(BLOCK_GROUPS)}, separated by commas (e.g. 'double_blocks:0-5, single_blocks:0-9')"
             )
         start = int(m.group(2))
         stop = int(m.group(3)) if m.group(3) is not None else start
         if stop < start:
-            raise ValueError(f"[Precision LoRA] blocks filter range {item!r} is empty: write the smaller index first")
+            raise ValueError(f"blocks filter range {item!r} is empty: write the smaller index first")
         ranges.append(BlockRange(m.group(1), start, stop))
     return tuple(ranges)
 
@@ -70,7 +70,7 @@ def _parse_options(targets: str, include: str, exclude: str,
     """(include, exclude, block ranges) after the checks that need no model: known preset name,
     compilable regexes, parseable block filter."""
     if targets not in preset_names():
-        raise ValueError(f"[Precision LoRA] targets={targets!r} is unknown: use one of {preset_names()}")
+        raise ValueError(f"targets={targets!r} is unknown: use one of {preset_names()}")
     return _compile(include, "include"), _compile(exclude, "exclude"), parse_blocks(blocks)
 
 
@@ -108,7 +108,7 @@ def _preset_matchers(family: str, targets: str) -> list[re.Pattern[str]]:
     fam = preset_family(family)
     if targets not in PRESETS[fam]:
         raise ValueError(
-            f"[Precision LoRA] targets={targets!r} is not a preset of model family '{family}': use one of {list(PRESETS[fam])}"
+            f"targets={targets!r} is not a preset of model family '{family}': use one of {list(PRESETS[fam])}"
         )
     return [re.compile(p) for p in PRESETS[fam][targets]]
 
@@ -143,7 +143,7 @@ def plan_targets(linears: Mapping[str, tuple[int, int]], family: str, targets: s
         if min(n_in, n_out) < rank:
             if by_include:
                 raise ValueError(
-                    f"[Precision LoRA] include={include!r} names '{path}' ({n_in} -> {n_out}), narrower than "
+                    f"include={include!r} names '{path}' ({n_in} -> {n_out}), narrower than "
                     f"rank={rank}: use rank <= {min(n_in, n_out)} or leave that module out of include"
                 )
             narrow.append(TargetInfo(path, n_in, n_out))
@@ -158,12 +158,12 @@ def _nothing_matches(linears: Mapping[str, tuple[int, int]], family: str, target
                      blocks: str, narrow: list[TargetInfo], rank: int) -> str:
     if narrow:  # every match is narrower than the rank: the rank is what to change
         widest = max(narrow, key=lambda t: min(t.in_features, t.out_features))
-        return (f"[Precision LoRA] LoRA rank={rank} exceeds the width of '{widest.path}' "
+        return (f"LoRA rank={rank} exceeds the width of '{widest.path}' "
                 f"({widest.out_features}x{widest.in_features}): use rank <= "
                 f"{min(widest.in_features, widest.out_features)}, the widest of the {len(narrow)} modules "
                 f"targets={targets!r} include={include!r} selects, or select wider modules")
     sample = ", ".join(sorted(linears)[:8]) or "(the model has no linear layers)"
-    return (f"[Precision LoRA] no module matches targets={targets!r} include={include!r} exclude={exclude!r} "
+    return (f"no module matches targets={targets!r} include={include!r} exclude={exclude!r} "
             f"blocks={blocks!r} for family '{family}' ({len(linears)} linear layers, e.g. {sample}): "
             "widen the preset, fix the regex or the block filter")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from .attention import node as attention
 from .checks import gate_errors
 from .dataset import cache as dataset_cache, node as dataset, resolution, video_node as video_dataset
-from .host import housekeeping
+from .host import errors, housekeeping
 from .lora import node as lora, routes as lora_routes
 from .model import info as model_info, load as load_model
 from .probe import node as probe
@@ -19,10 +19,10 @@ PRODUCT_NODES: list[type[io.ComfyNode]] = [
     *dataset_cache.NODES,
     *video_dataset.NODES,
 ]
-# Each register() is idempotent: HTTP routes, the sweep of stale temporary files, and the middleware that
-# files each of the gate's messages once, under its input.
+# Each register() is idempotent: HTTP routes, the sweep of stale temporary files, the middleware that
+# files each of the gate's messages once, under its input, and the prefix on the pack's log records.
 REGISTRATIONS = (train_routes.register, lora_routes.register, model_info.register, housekeeping.register,
-                 gate_errors.register)
+                 gate_errors.register, errors.install_log_prefix)
 
 
 def register_routes() -> None:

@@ -77,7 +77,7 @@ class TrainingState:
         names = {f.name for f in dataclasses.fields(cls)}
         missing = {"step", "seed", "settings", "lora", "optimizer", "generator"} - set(data)
         if missing:
-            raise ValueError(f"[Precision LoRA] training state is missing {sorted(missing)}; not a Precision LoRA checkpoint")
+            raise ValueError(f"training state is missing {sorted(missing)}; not a Precision LoRA checkpoint")
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def losses(self) -> list[float]:
@@ -99,13 +99,13 @@ def save_state(path: str, state: TrainingState) -> str:
 def load_state(path: str) -> TrainingState:
     """Read a ``*.trainstate`` (or older ``*.state.pt``) file (``weights_only=True``: no code runs). Clear errors on bad files."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"[Precision LoRA] training state file not found: {path}")
+        raise FileNotFoundError(f"training state file not found: {path}")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated / foreign files
-        raise ValueError(f"[Precision LoRA] cannot read training state {path}: {exc}") from exc
+        raise ValueError(f"cannot read training state {path}: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"[Precision LoRA] {path} is not a Precision LoRA training state")
+        raise ValueError(f"{path} is not a Precision LoRA training state")
     return TrainingState.from_dict(data)
 
 
@@ -117,7 +117,7 @@ def write_checkpoint(base: str, state: TrainingState, write_lora: Callable[[str]
     """
     save_state(base + STATE_SUFFIX, state)
     path = write_lora(base + LORA_SUFFIX)
-    log.info("[Precision LoRA] checkpoint at step %d: %s", state.step, path)
+    log.info("checkpoint at step %d: %s", state.step, path)
     return path
 
 

@@ -199,7 +199,7 @@ def activate(device: torch.device, timeout_s: float | None = None) -> DataParall
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     _active = DataParallel(rank=dist.get_rank(), world=dist.get_world_size())
-    log.info("[Precision LoRA] data parallel: rank %d of %d (%s)", _active.rank, _active.world, backend)
+    log.info("data parallel: rank %d of %d (%s)", _active.rank, _active.world, backend)
     return _active
 
 

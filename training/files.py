@@ -69,9 +69,9 @@ def remove_stale_partials(folder: str) -> list[str]:
                     os.remove(path)
                     removed.append(path)
                 except OSError as exc:
-                    log.warning("[Precision LoRA] could not remove stale temporary file %s: %s", path, exc)
+                    log.warning("could not remove stale temporary file %s: %s", path, exc)
     if removed:
-        log.info("[Precision LoRA] removed %d stale temporary file(s) in %s", len(removed), folder)
+        log.info("removed %d stale temporary file(s) in %s", len(removed), folder)
     return removed
 
 

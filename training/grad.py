@@ -77,7 +77,7 @@ def _checked(saved: Any) -> torch.Tensor:
     if isinstance(saved, _Kept):
         if saved.tensor._version != saved.version:
             raise RuntimeError(
-                "[Precision LoRA] a tensor saved for backward inside a checkpointed block was modified in place "
+                "a tensor saved for backward inside a checkpointed block was modified in place "
                 f"after it was saved (shape {list(saved.tensor.shape)}, {saved.tensor.dtype}); this model's blocks "
                 "write in place to something other than their inputs: train without gradient_checkpointing")
         return saved.tensor

@@ -37,9 +37,9 @@ def assert_finite(obj: Any, what: str) -> None:
     if isinstance(obj, Mapping):
         for key, value in obj.items():
             if not all_finite(nested_tensors(value)):
-                raise NonFiniteError(f"[Precision LoRA] refusing to write {what}: '{key}' holds NaN/inf")
+                raise NonFiniteError(f"refusing to write {what}: '{key}' holds NaN/inf")
     elif not all_finite(nested_tensors(obj)):
-        raise NonFiniteError(f"[Precision LoRA] refusing to write {what}: it holds NaN/inf")
+        raise NonFiniteError(f"refusing to write {what}: it holds NaN/inf")
 
 
 @dataclass
@@ -117,7 +117,7 @@ class NanGuard:
     def restore(self, tensors: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> Snapshot:
         """Copy the last snapshot into ``tensors`` and the optimizer; returns it."""
         if self.last_good is None:
-            raise NonFiniteError("[Precision LoRA] NaN guard: no good state to roll back to")
+            raise NonFiniteError("NaN guard: no good state to roll back to")
         with torch.no_grad():
             for t, saved in zip(tensors, self.last_good.params, strict=True):
                 t.copy_(saved)
@@ -128,4 +128,4 @@ class NanGuard:
 
     def _note(self, msg: str) -> None:
         self.events.append(msg)
-        log.warning("[Precision LoRA] NaN guard: %s", msg)
+        log.warning("NaN guard: %s", msg)

@@ -116,17 +116,17 @@ class RunResult:
 
 def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"[Precision LoRA] steps={steps!r}: must be an integer > 0")
+        raise ValueError(f"steps={steps!r}: must be an integer > 0")
     if len(data) == 0:
-        raise ValueError("[Precision LoRA] the dataset is empty: connect at least one latent")
+        raise ValueError("the dataset is empty: connect at least one latent")
     if settings.dop_multiplier > 0:
         if fns.predict_base is None:
-            raise ValueError("[Precision LoRA] DOP needs a model whose LoRA can be switched off; set dop_multiplier to 0")
+            raise ValueError("DOP needs a model whose LoRA can be switched off; set dop_multiplier to 0")
         if any(s.class_cond is None for s in data):
-            raise ValueError("[Precision LoRA] dop_multiplier > 0 needs a class conditioning; connect "
+            raise ValueError("dop_multiplier > 0 needs a class conditioning; connect "
                              "class_conditioning or set dop_multiplier to 0")
     if settings.caption_dropout > 0 and any(s.empty_cond is None for s in data):
-        raise ValueError(f"[Precision LoRA] caption_dropout={settings.caption_dropout} needs the empty caption's "
+        raise ValueError(f"caption_dropout={settings.caption_dropout} needs the empty caption's "
                          "conditioning; connect empty_conditioning (a text encoder's output for an empty "
                          "prompt) or set caption_dropout to 0")
 
@@ -167,7 +167,7 @@ class _Run:
         ema = Ema(self.params, s.ema_decay, s.ema_warmup, s.ema_on_cpu) if s.ema_decay > 0 else None
         if ema is not None and state is not None and state.ema:
             if set(state.ema) != set(self.param_names):
-                raise ValueError("[Precision LoRA] the training state's EMA does not match the attached LoRA; "
+                raise ValueError("the training state's EMA does not match the attached LoRA; "
                                  "attach the LoRA the state was trained with")
             ema.load([state.ema[n] for n in self.param_names])
         save, preview = view_kinds(schedule_free(s.optimizer), ema is not None, s.ema_save, s.ema_preview)
@@ -175,7 +175,7 @@ class _Run:
 
     def _restore(self, state: TrainingState) -> None:
         if state.settings.get("optimizer") != self.s.optimizer:
-            raise ValueError(f"[Precision LoRA] the training state was made with optimizer "
+            raise ValueError(f"the training state was made with optimizer "
                              f"{state.settings.get('optimizer')!r} but settings choose {self.s.optimizer!r}; "
                              "use the same optimizer to continue")
         _load_named(self.module, state.lora, "LoRA parameters")
@@ -187,7 +187,7 @@ class _Run:
         try:
             self.optimizer.load_state_dict(to_cpu(state.optimizer))
         except (ValueError, KeyError) as exc:
-            raise ValueError(f"[Precision LoRA] the training state's optimizer does not fit this LoRA: {exc}") from exc
+            raise ValueError(f"the training state's optimizer does not fit this LoRA: {exc}") from exc
         self.gen.set_state(state.generator.clone())
         _set_extra_rng(self.module, state.extra_rng)
         self.step, self.history = state.step, [dict(p) for p in state.history]
@@ -426,20 +426,20 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 _abort_step(run)
                 run.checkpoint(hooks, "interrupt", result)
                 result.stopped, result.reason = True, "interrupt"
-                log.info("[Precision LoRA] training interrupted during step %d", run.step + 1)
+                log.info("training interrupted during step %d", run.step + 1)
                 break
             report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
             with run.views.view(run.views.preview if hooks.views_on_step else None):  # previews: averaged / EMA weights
                 action = hooks.on_step(report) if hooks.on_step else None
             if action is not None and action not in ACTIONS:
-                raise ValueError(f"[Precision LoRA] on_step returned {action!r}; expected one of {ACTIONS}")
+                raise ValueError(f"on_step returned {action!r}; expected one of {ACTIONS}")
             periodic = settings.checkpoint_every > 0 and run.step % settings.checkpoint_every == 0
             stop_reason = "nan" if outcome == "stop" else action if action in ("stop", "interrupt") else None
             if periodic or action == "checkpoint" or stop_reason:
                 run.checkpoint(hooks, stop_reason or action or "periodic", result)
             if stop_reason:
                 result.stopped, result.reason = True, stop_reason
-                log.info("[Precision LoRA] training stopped at step %d (%s)", run.step, stop_reason)
+                log.info("training stopped at step %d (%s)", run.step, stop_reason)
                 break
     finally:
         module.train(was_training)
@@ -449,7 +449,7 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                            dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)),
                            run.guard.discarded - start[4])
     if result.outcome.skipped or result.outcome.dropped:
-        log.warning("[Precision LoRA] training %s", result.outcome.summary())
+        log.warning("training %s", result.outcome.summary())
     run.save_ema(hooks, result)
     if run.views.save is not None:
         run.views.enter(run.views.save)  # the trained LoRA is the save view's; the state continues the raw one

@@ -30,7 +30,7 @@ QUANTIZATION_THRESHOLD = 1024  # tensors of at most this many weights stay F32 (
 
 def _known(qtype: str) -> tuple[int, int]:
     if qtype not in GGML_BLOCKS:
-        raise ValueError(f"[Precision LoRA] GGML type {qtype!r} is unknown; known: {', '.join(GGML_BLOCKS)}")
+        raise ValueError(f"GGML type {qtype!r} is unknown; known: {', '.join(GGML_BLOCKS)}")
     return GGML_BLOCKS[qtype]
 
 
@@ -56,7 +56,7 @@ def raw_size(shape: tuple[int, ...], qtype: str) -> tuple[tuple[int, ...], torch
         return tuple(shape), FLOAT_TYPES[qtype]
     block, size = _known(qtype)
     if shape[-1] % block:
-        raise ValueError(f"[Precision LoRA] a row of {shape[-1]} weights does not split into {qtype} blocks of {block}")
+        raise ValueError(f"a row of {shape[-1]} weights does not split into {qtype} blocks of {block}")
     return (*shape[:-1], shape[-1] // block * size), torch.uint8
 
 

@@ -12,11 +12,11 @@ def load_named(module: nn.Module, values: dict[str, torch.Tensor], what: str) ->
     params = dict(module.named_parameters())
     if set(params) != set(values):
         extra, missing = sorted(set(values) - set(params))[:3], sorted(set(params) - set(values))[:3]
-        raise ValueError(f"[Precision LoRA] the training state's {what} do not match the attached LoRA "
+        raise ValueError(f"the training state's {what} do not match the attached LoRA "
                          f"(state only: {extra}, LoRA only: {missing}); attach the LoRA the state was trained with")
     for name, p in params.items():
         if tuple(values[name].shape) != tuple(p.shape):
-            raise ValueError(f"[Precision LoRA] the training state's '{name}' has shape {tuple(values[name].shape)}, "
+            raise ValueError(f"the training state's '{name}' has shape {tuple(values[name].shape)}, "
                              f"the attached LoRA {tuple(p.shape)}; attach a LoRA with the same rank and targets")
     with torch.no_grad():
         for name, p in params.items():

@@ -63,13 +63,13 @@ def build_optimizer(groups: list[dict], name: str, hyper: Hyperparams) -> torch.
     Raises ValueError naming the optimizer and the fix when it is unknown or its package is missing.
     """
     if name not in OPTIMIZERS:
-        raise ValueError(f"[Precision LoRA] optimizer {name!r} is unknown; choose one of {sorted(OPTIMIZERS)}")
+        raise ValueError(f"optimizer {name!r} is unknown; choose one of {sorted(OPTIMIZERS)}")
     reason = available()[name]
     if reason is not None:
-        raise ValueError(f"[Precision LoRA] optimizer {name!r} is {reason}, or choose 'adamw'")
+        raise ValueError(f"optimizer {name!r} is {reason}, or choose 'adamw'")
     for g in groups:
         if "lr" not in g:
-            raise ValueError("[Precision LoRA] every optimizer group needs its own 'lr' (the base learning rate)")
+            raise ValueError("every optimizer group needs its own 'lr' (the base learning rate)")
         g[BASE_LR_KEY] = float(g["lr"])
     optimizer = OPTIMIZERS[name].build(groups, hyper)
     keep_settings_on_load(optimizer)

@@ -112,7 +112,7 @@ def sample_u(sampler: Sampler, n: int, gen: torch.Generator) -> torch.Tensor:
         "balanced": lambda: _balanced(n, gen),
     }
     if name not in draws:
-        raise ValueError(f"[Precision LoRA] unknown timestep_sampling {name!r}; choose one of {sorted(draws)}")
+        raise ValueError(f"unknown timestep_sampling {name!r}; choose one of {sorted(draws)}")
     return draws[name]().clamp(U_EPS, 1.0 - U_EPS)
 
 
@@ -128,7 +128,7 @@ def loss_weight(name: str, u: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(u)
     if name == "bell_shaped":
         return torch.exp(-((u - BELL_CENTER) ** 2) / (2 * BELL_WIDTH**2)) / _bell_normaliser()
-    raise ValueError(f"[Precision LoRA] unknown loss_weighting {name!r}; choose one of {sorted(LOSS_WEIGHTINGS)}")
+    raise ValueError(f"unknown loss_weighting {name!r}; choose one of {sorted(LOSS_WEIGHTINGS)}")
 
 
 def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ NAN_POLICIES: dict[str, str] = {
 
 
 def _err(field: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] TrainSettings.{field}={value!r}: {fix}")
+    return ValueError(f"TrainSettings.{field}={value!r}: {fix}")
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def pack_block(block: nn.Module, pin: bool) -> _Packed:
     entries, offset = [], 0
     for p in params:
         if type(p.data) is not torch.Tensor:
-            raise ValueError(f"[Precision LoRA] block swap: a weight of type {type(p.data).__name__} cannot be "
+            raise ValueError(f"block swap: a weight of type {type(p.data).__name__} cannot be "
                              "streamed; set swap_blocks to 0 for this model")
         nbytes = p.numel() * p.element_size()
         entries.append(_Entry(p, offset, nbytes, p.dtype, p.shape))
@@ -101,7 +101,7 @@ class BlockSwap:
 
     def __init__(self, blocks: Sequence[nn.Module], device: torch.device, slots: int = 2) -> None:
         if slots < 2:
-            raise ValueError(f"[Precision LoRA] block swap: slots={slots}: need at least 2 (one computes, one loads)")
+            raise ValueError(f"block swap: slots={slots}: need at least 2 (one computes, one loads)")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         pin = torch.cuda.is_available()

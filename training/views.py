@@ -103,7 +103,7 @@ class WeightViews:
             for p, s in zip(self.params, self.ema.values()):
                 p.copy_(s)
         else:
-            raise ValueError(f"[Precision LoRA] unknown weights view {kind!r}; expected 'eval' or 'ema'")
+            raise ValueError(f"unknown weights view {kind!r}; expected 'eval' or 'ema'")
         for p, m in self.pairs:
             p.copy_(m.to(p.dtype))
 

@@ -30,6 +30,7 @@ import torch
 from ...attention.config import AUTO_BACKEND, AttentionConfig
 from ...attention.dispatch import AttentionDispatcher, HostAttention, Observer
 from ...attention.stats import AttentionStats
+from ..host import errors
 from ..host.comfy_compat import has_backward
 from .other_overrides import ChainedKernel, describe_override
 from .reach import (PATCH_KEY, WRAPPER_KEY, ConditioningInjection, inside_attention, is_inside, reach_wrapper,
@@ -45,7 +46,7 @@ POSITIONAL_NAMES = ("mask", "attn_precision", "skip_reshape", "skip_output_resha
 def _bind(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Name the optional arguments whether they came by position or keyword."""
     if len(rest) > len(POSITIONAL_NAMES):
-        raise TypeError(f"[Precision LoRA] attention override got {4 + len(rest)} positional arguments; expected at most 8")
+        raise TypeError(f"attention override got {4 + len(rest)} positional arguments; expected at most 8")
     bound = dict(zip(POSITIONAL_NAMES, rest))
     for name in POSITIONAL_NAMES:
         if name in kwargs:
@@ -164,7 +165,7 @@ class PrecisionAttentionOverride:
             if twin is not None and twin.previous is previous:
                 return twin
             twin = self._composed[id(previous)] = self._twin(self.observer, previous)
-        log.warning("[Precision LoRA] attention: %s was set on the model after Patch Attention (Precision); the "
+        log.warning("attention: %s was set on the model after Patch Attention (Precision); the "
                     "pack's override stays: %s", describe_override(previous), composition_note(twin))
         return twin
 
@@ -175,6 +176,14 @@ class PrecisionAttentionOverride:
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return self._call(func, q, k, v, heads, *rest, **kwargs)
+        except Exception as exc:  # also under KSampler or another pack's node: the pack's messages say whose
+            errors.mark(exc)
+            raise
+
+    def _call(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              heads: int, *rest: Any, **kwargs: Any) -> torch.Tensor:
         if is_inside():  # called again from within this call (an override chaining to the one it replaced, as
             return func(q, k, v, heads, *rest, **kwargs)  # ComfyUI's newer ones do): the scale is applied once
         with self._label_lock:
@@ -197,7 +206,7 @@ class PrecisionAttentionOverride:
             first = reason not in self._unreached
             self._unreached[reason] = self._unreached.get(reason, 0) + 1
         if first:
-            log.warning("[Precision LoRA] attention: a call of this model runs without the patched scale/backend "
+            log.warning("attention: a call of this model runs without the patched scale/backend "
                         "(%s); it keeps the model's own attention", reason)
 
     def unreached(self) -> dict[str, int]:
@@ -245,7 +254,7 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     options = clone.model_options.setdefault("transformer_options", {})
     override = PrecisionAttentionOverride(cfg, previous=_previous_override(options))
     if override.previous is not None:
-        log.info("[Precision LoRA] attention: the override already on the model, %s, is kept: %s",
+        log.info("attention: the override already on the model, %s, is kept: %s",
                  describe_override(override.previous), composition_note(override))
     options[OVERRIDE_KEY] = options[PATCH_KEY] = override
     # Calls made without transformer_options, or straight to SDPA, reach the override too (reach.py). The
@@ -258,7 +267,7 @@ def patch_attention(model: Any, cfg: AttentionConfig) -> Any:
     # attention that runs while ComfyUI prepares the conditioning (Anima's LLM adapter in extra_conds)
     reach = ConditioningInjection(options)
     clone.set_injections(WRAPPER_KEY, [comfy.patcher_extension.PatcherInjection(reach.inject, reach.eject)])
-    log.info("[Precision LoRA] attention patched: backend=%s scale_mode=%s scale_value=%s",
+    log.info("attention patched: backend=%s scale_mode=%s scale_value=%s",
              cfg.backend, cfg.scale_mode, cfg.scale_value)
     return clone
 

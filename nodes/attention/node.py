@@ -119,12 +119,12 @@ class PrecisionPatchAttention(PrecisionNode):
             cfg = build_config(dict(backend=backend, scale_mode=scale_mode, scale_value=scale_value,
                                     stable_beta=stable_beta, softclamp=softclamp, fp32_softmax=fp32_softmax))
         except ValueError as exc:
-            raise ValueError(f"[Precision LoRA] {NODE}: {exc}") from None
+            raise ValueError(f"{NODE}: {exc}") from None
         patched = patch_attention(model, cfg)
         override = get_attention_override(patched)
         kept = composition_note(override) if override is not None and override.previous is not None else None
         info = describe_patch(cfg, describe_model(model).head_dim, kept)
-        log.info("[Precision LoRA] %s: %s", NODE, info.replace("\n", "; "))
+        log.info("%s: %s", NODE, info.replace("\n", "; "))
         return io.NodeOutput(patched, info)
 
 

@@ -85,4 +85,4 @@ def attention_account(model: Any) -> Iterator[AttentionAccount]:
         finally:
             line = account.end_line()
             if line is not None:
-                log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
+                log.info("PrecisionTrainLoRA: %s", line)

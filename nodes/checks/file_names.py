@@ -34,6 +34,8 @@ import re
 import unicodedata
 from collections.abc import Callable, Mapping
 
+from ..host import errors
+
 log = logging.getLogger(__name__)
 
 # Longest part of a created name, in UTF-8 bytes: file systems allow 255, and the pack appends counters
@@ -172,24 +174,24 @@ def _query_problem(name: object) -> tuple[int, str] | None:
 def find_model_file(name: object, roots: list[str], folder: str, what: str) -> str:
     """Real path of the safetensors file called ``name`` in one of ``roots`` (the ``folder`` folders, in order).
 
-    ``what`` names the route in messages (``"[Precision LoRA] <what>: ..."``). Raises QueryRefused: 400 for
+    ``what`` names the route in messages (``"<what>: ..."``). Raises QueryRefused: 400 for
     an empty, over-long or non-safetensors name, 403 for an absolute path, a ``..`` part or a name whose
     real path leaves the root it was found in, 404 when no root holds such a file. A candidate that leaves
     its root is refused, not skipped, so a symlink cannot be used to probe other folders.
     """
     problem = _query_problem(name)
     if problem is not None:
-        raise QueryRefused(problem[0], f"[Precision LoRA] {what}: {problem[1]}")
+        raise QueryRefused(problem[0], f"{what}: {problem[1]}")
     rel = os.path.join(*_parts(name))
     for root in roots:
         candidate = os.path.join(root, rel)
         if not os.path.isdir(root) or not os.path.lexists(candidate):
             continue
         if not inside(root, candidate):
-            raise QueryRefused(403, f"[Precision LoRA] {what}: name resolves outside the {folder} folders (symlink)")
+            raise QueryRefused(403, f"{what}: name resolves outside the {folder} folders (symlink)")
         if os.path.isfile(candidate):
             return os.path.realpath(candidate)
-    raise QueryRefused(404, f"[Precision LoRA] {what}: no file named '{name}' in the {folder} folders")
+    raise QueryRefused(404, f"{what}: no file named '{name}' in the {folder} folders")
 
 
 class FileRoute:
@@ -208,7 +210,7 @@ class FileRoute:
         except QueryRefused as e:
             if e.status >= 422:
                 log.warning("%s", e)
-            return e.status, {"error": str(e)}
+            return e.status, {"error": errors.prefixed(str(e))}  # the route's boundary: the pack's one prefix
         return 200, {"name": name, **body}
 
     def register(self) -> None:
@@ -221,7 +223,7 @@ class FileRoute:
         PromptServer.instance.routes.get(self.route)(handler(lambda: folder_paths.get_folder_paths(self.folder),
                                                              self.lookup))
         self.registered = True
-        log.info("[Precision LoRA] route %s registered", self.route)
+        log.info("route %s registered", self.route)
 
 
 def handler(get_roots: Callable[[], list[str]], lookup: Callable[[object, list[str]], tuple[int, dict]]):

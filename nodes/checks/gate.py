@@ -26,6 +26,7 @@ import inspect
 from typing import Any, Callable, ClassVar, Mapping
 
 from ...training.checks import number_problem, show
+from ..host import errors
 from ..host.comfy_io import io
 from .file_names import name_problem
 from .graph import MARK  # a rule across nodes, refused through this input (graph.py): the node's check says it
@@ -148,10 +149,12 @@ def _gated(execute: Callable[..., Any]) -> Callable[..., Any]:
         for p in params:
             if p.name in bound:
                 values.update(bound[p.name] if p.kind is p.VAR_KEYWORD else {p.name: bound[p.name]})
+        errors.install_log_prefix()  # a pack module imported since registration logs with the prefix too
         problem = gate(cls, values)
         if problem is not None:
-            raise ValueError(f"[Precision LoRA] {problem}")
-        return execute(cls, *args, **kwargs)
+            raise ValueError(errors.prefixed(problem))
+        with errors.boundary():  # the pack's messages leave every node with the one prefix
+            return execute(cls, *args, **kwargs)
 
     checked.precision_gated = True  # type: ignore[attr-defined]
     return checked
@@ -179,7 +182,7 @@ class PrecisionNode(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, **values: Any) -> bool | str:
         problem = gate(cls, values)
-        return True if problem is None else f"[Precision LoRA] {problem}"
+        return True if problem is None else errors.prefixed(problem)
 
     @classmethod
     def check(cls, values: dict[str, Any]) -> str | None:

@@ -19,9 +19,11 @@ import logging
 import re
 from typing import Any
 
+from ..host import errors
+
 log = logging.getLogger(__name__)
 
-MARK = "[Precision LoRA] "
+MARK = errors.PREFIX
 CUSTOM = "custom_validation_failed"
 PROMPT_PATHS = ("/prompt", "/api/prompt")
 _registered = False
@@ -109,7 +111,7 @@ def register() -> None:
     try:
         app.middlewares.append(middleware())
     except RuntimeError:  # aiohttp froze the list: the server started before the pack loaded
-        log.warning("[Precision LoRA] the server is already running: a refused prompt lists each pack message "
+        log.warning("the server is already running: a refused prompt lists each pack message "
                     "under every input of its node")
         return
     _registered = True

@@ -32,7 +32,7 @@ MODES = ("use", "rebuild", "off")  # read+write / encode everything and overwrit
 
 
 def _err(message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: {message}")
+    return ValueError(f"{NODE}: {message}")
 
 
 @dataclass
@@ -138,7 +138,7 @@ def _read(store: EntryStore, item: _Item, report: CacheReport) -> bool:
     try:
         entry = store.load(item.kind, item.key)
     except BadEntry as exc:
-        log.warning("[Precision LoRA] %s: %s; encoding it again", NODE, exc)
+        log.warning("%s: %s; encoding it again", NODE, exc)
         report.rejected.append(str(exc))
         return False
     if entry is None:
@@ -166,7 +166,7 @@ def _write(store: EntryStore, item: _Item, report: CacheReport) -> None:
         store.store(item.kind, item.key, tensors, layout, info)
     except (NotCacheable, OSError) as exc:
         note = f"not stored: {item.kind} ({type(exc).__name__}: {exc})"
-        log.warning("[Precision LoRA] %s: %s", NODE, note)
+        log.warning("%s: %s", NODE, note)
         if note not in report.not_stored:
             report.not_stored.append(note)
 
@@ -258,7 +258,7 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
         latents, conditioning, report = build(images, texts, vae[0], clip[0], mode, folder, node_id,
                                               (lambda text: page.show_on_node(text, node_id)))
         text = report.summary()
-        log.info("[Precision LoRA] %s: %s", NODE, text)
+        log.info("%s: %s", NODE, text)
         return io.NodeOutput(latents, conditioning, text, ui=ui.PreviewText(text))
 
 

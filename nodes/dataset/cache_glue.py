@@ -149,7 +149,7 @@ class Progress:
         if last or self.last_line is None or now - self.last_line >= self.every_s:
             self.last_line = now
             line = self.line(kind, seconds)
-            log.info("[Precision LoRA] %s: %s", self.node, line)
+            log.info("%s: %s", self.node, line)
             if self.send_text is not None:
                 self.send_text(line)
 

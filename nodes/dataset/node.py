@@ -30,10 +30,10 @@ def dataset_root(folder: str) -> str:
     base = os.path.realpath(folder_paths.get_input_directory())
     root = os.path.realpath(os.path.join(base, folder)) if isinstance(folder, str) and folder else base
     if root == base or os.path.commonpath([base, root]) != base:
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'folder'={folder!r} is not a folder inside ComfyUI's input "
+        raise ValueError(f"{NODE}: input 'folder'={folder!r} is not a folder inside ComfyUI's input "
                          f"folder ({base}); put the dataset in a subfolder of input/ and pick it from the list")
     if not os.path.isdir(root):
-        raise ValueError(f"[Precision LoRA] {NODE}: input 'folder'={folder!r} does not exist in {base}; create it "
+        raise ValueError(f"{NODE}: input 'folder'={folder!r} does not exist in {base}; create it "
                          "there (or refresh the node list) and pick it from the list")
     return root
 
@@ -91,11 +91,11 @@ class PrecisionLoadImageDataset(PrecisionNode):
         try:
             data = load_dataset(root, f"input/{folder}", alpha, animated, missing_caption)
         except DatasetError as exc:
-            raise ValueError(f"[Precision LoRA] {NODE}: input 'folder'={folder!r}: {exc}") from None
+            raise ValueError(f"{NODE}: input 'folder'={folder!r}: {exc}") from None
         for line in data.lines:
-            log.info("[Precision LoRA] %s: %s", NODE, line)
+            log.info("%s: %s", NODE, line)
         if data.missing:
-            log.warning("[Precision LoRA] %s: %d images without a caption train on the empty caption: %s", NODE,
+            log.warning("%s: %d images without a caption train on the empty caption: %s", NODE,
                         len(data.missing), ", ".join(data.missing))
         return io.NodeOutput(data.images, data.texts, "\n".join(data.lines))
 

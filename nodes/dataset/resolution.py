@@ -73,7 +73,7 @@ def size_problem(model: Any, samples: torch.Tensor) -> str | None:
            f"pixels ({px} image pixels); put PrecisionResolutionBuckets between the image loader and the VAE "
            f"encode (MakeTrainingDataset), or resize the image to multiples of {px} px")
     if family in _PADDING_FAMILIES:
-        log.warning("[Precision LoRA] PrecisionTrainLoRA: a latent %s; the model pads it, so it trains", msg)
+        log.warning("PrecisionTrainLoRA: a latent %s; the model pads it, so it trains", msg)
         return None
     return msg
 
@@ -96,7 +96,7 @@ def nearest_bucket(width: int, height: int, choices: list[tuple[int, int]]) -> t
 
 
 def _err(message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: {message}")
+    return ValueError(f"{NODE}: {message}")
 
 
 def _image(i: int, image: Any) -> torch.Tensor:
@@ -215,7 +215,7 @@ class PrecisionResolutionBuckets(PrecisionNode):
         report = (f"{len(fitted)} images -> {len(counts)} buckets of about {resolution}^2 px: {rows}; "
                   f"multiple {step} px ({source})")
         report += _empty_texts(texts)
-        log.info("[Precision LoRA] %s: %s", NODE, report)
+        log.info("%s: %s", NODE, report)
         return io.NodeOutput(fitted, texts, report)
 
 

@@ -112,18 +112,18 @@ class PrecisionLoadVideoDataset(PrecisionNode):
 
         root = _root(folder)
         if frame_rule not in FRAME_RULES:
-            raise ValueError(f"[Precision LoRA] {NODE}: input 'frame_rule'={frame_rule!r} is not one of "
+            raise ValueError(f"{NODE}: input 'frame_rule'={frame_rule!r} is not one of "
                              f"{list(FRAME_RULES)}; pick one from the list")
         bar = comfy.utils.ProgressBar(1)
         try:
             data = load_clips(root, f"input/{folder}", FRAME_RULES[frame_rule], max_frames, frame_stride,
                               decode_video, missing_caption, progress=lambda done, total: bar.update_absolute(done, total))
         except DatasetError as exc:
-            raise ValueError(f"[Precision LoRA] {NODE}: input 'folder'={folder!r}: {exc}") from None
+            raise ValueError(f"{NODE}: input 'folder'={folder!r}: {exc}") from None
         for line in data.lines:
-            log.info("[Precision LoRA] %s: %s", NODE, line)
+            log.info("%s: %s", NODE, line)
         if data.missing:
-            log.warning("[Precision LoRA] %s: %d clips without a caption train on the empty caption: %s", NODE,
+            log.warning("%s: %d clips without a caption train on the empty caption: %s", NODE,
                         len(data.missing), ", ".join(data.missing))
         return io.NodeOutput(data.clips, data.texts, "\n".join(data.lines))
 

@@ -100,11 +100,11 @@ def check_supported(version: tuple[int, int, int] | None = None) -> tuple[int, i
     version = comfyui_version() if version is None else version
     shown = ".".join(map(str, version))
     if version < MIN_VERSION:
-        raise RuntimeError(f"[Precision LoRA] this pack supports {SUPPORTED_TEXT}; this ComfyUI is {shown}. "
+        raise RuntimeError(f"this pack supports {SUPPORTED_TEXT}; this ComfyUI is {shown}. "
                            "Update ComfyUI (git pull, or the portable build's update script) and restart.")
     if version[:2] > NEWEST_TESTED[:2] and not _warned_newer:
         _warned_newer = True
-        log.warning("[Precision LoRA] ComfyUI %s is newer than the newest version this pack was tested on (%s); "
+        log.warning("ComfyUI %s is newer than the newest version this pack was tested on (%s); "
                     "if a node fails, report it with this line", shown, SUPPORTED_TEXT)
     return version
 
@@ -144,7 +144,7 @@ def refused(name: str, fused: Callable[..., Any]) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         if _needs_gradients(args, kwargs):
             raise RuntimeError(
-                f"[Precision LoRA] training reached comfy-kitchen op '{name}' ({where}) with a tensor that needs "
+                f"training reached comfy-kitchen op '{name}' ({where}) with a tensor that needs "
                 "gradients: it has no backward and the pack has no plain-PyTorch route for it, so the LoRA would "
                 f"get wrong gradients. Fix: {fix}.")
         return fused(*args, **kwargs)

@@ -30,7 +30,7 @@ def gguf_file_advice(name: str, node: str, gguf_installed: bool) -> str:
     first when it is not loaded here); its MODEL trains."""
     install = "" if gguf_installed else ("ComfyUI-GGUF is not loaded in this ComfyUI: install city96's ComfyUI-GGUF "
                                          "into custom_nodes (and the gguf package), restart, then ")
-    return (f"[Precision LoRA] {node}: input 'model_name'={name!r} is a GGUF file, which this loader does not read; "
+    return (f"{node}: input 'model_name'={name!r} is a GGUF file, which this loader does not read; "
             f"{install}load it with {GGUF_LOADER} and connect its MODEL to Attach LoRA (Precision): a LoRA trains "
             "on a GGUF base (docs/quantized.md)")
 

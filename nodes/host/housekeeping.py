@@ -40,4 +40,4 @@ def register() -> None:
     _done = True
     removed = sweep(pack_folders())
     if removed:
-        log.info("[Precision LoRA] removed %d temporary file(s) left by an interrupted save", len(removed))
+        log.info("removed %d temporary file(s) left by an interrupted save", len(removed))

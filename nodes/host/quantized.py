@@ -48,7 +48,7 @@ def check_layer(module: torch.nn.Module, path: str) -> None:
     ComfyUI-GGUF's layers (they dequantize it themselves, ``nodes.host.gguf``)."""
     problem = gguf.layer_problem(module)
     if problem is not None:
-        raise ValueError(f"[Precision LoRA] layer '{path}' {problem}; load the file with {gguf.GGUF_LOADER}, whose "
+        raise ValueError(f"layer '{path}' {problem}; load the file with {gguf.GGUF_LOADER}, whose "
                          "layers the pack's LoRA layers run on")
 
 

@@ -73,6 +73,7 @@ def _describe(folder: str) -> str:
 def duplicate_message(loaded: str, skipped: str) -> str:
     """One line: both folders, which one ComfyUI registered, which one to remove and how."""
     remove = folder_to_remove(loaded, skipped)
+    # logged before the pack registers (and by scripts/comfy_bootstrap.py, which loads this file by its path)
     return (f"[Precision LoRA] the pack is installed twice: {_describe(loaded)} is loaded; "
             f"{_describe(skipped)} is a second copy, so its nodes and web files are not registered. "
             f"Remove {remove} (or rename it to {os.path.basename(remove)}.disabled) and restart ComfyUI.")

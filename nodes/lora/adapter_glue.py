@@ -39,11 +39,11 @@ def init_adapters(tensors: Mapping[str, torch.Tensor], linears: Mapping[str, tup
     parsed = parse_adapter_file(tensors, linears, name=what)
     kinds = sorted({fa.kind for fa in parsed.values()})
     if kinds != [cfg.adapter]:
-        raise ValueError(f"[Precision LoRA] {what} holds {'/'.join(kinds)} adapters but adapter={cfg.adapter!r}: set "
+        raise ValueError(f"{what} holds {'/'.join(kinds)} adapters but adapter={cfg.adapter!r}: set "
                          f"adapter to {kinds[0]!r} (continuing needs the same kind)")
     outside = sorted(set(parsed) - set(shapes))
     if outside:
-        raise ValueError(f"[Precision LoRA] {what}: {len(outside)} of its modules are not among the selected targets "
+        raise ValueError(f"{what}: {len(outside)} of its modules are not among the selected targets "
                          f"(e.g. '{outside[0]}'): widen targets / include to cover them")
     return parsed
 
@@ -56,7 +56,7 @@ def load_init(lora_set: LoRASet, parsed: Mapping[str, FileAdapter], what: str) -
             try:
                 adapters[path].load_file(fa.parts, fa.scale)
             except ValueError as e:
-                raise ValueError(f"[Precision LoRA] {what}: {fa.kind} module '{path}': {e}; set rank (and lokr_factor) "
+                raise ValueError(f"{what}: {fa.kind} module '{path}': {e}; set rank (and lokr_factor) "
                                  "to the file's") from None
 
 

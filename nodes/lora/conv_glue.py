@@ -49,20 +49,20 @@ def locon_convs(model, cfg: LoRAConfig, family: str) -> dict[str, ConvShape]:
     parents = {name: type(m).__name__ for name, m in dm.named_modules()}
     convs = {p: s for p, s in conv_layers(model).items() if _in_parent(p, parents)}
     if not convs:
-        raise ValueError(f"[Precision LoRA] input 'adapter'='locon' adds LoRA to a UNet's Conv2d layers, but this "
+        raise ValueError(f"input 'adapter'='locon' adds LoRA to a UNet's Conv2d layers, but this "
                          f"{family} model has no res-block Conv2d layer: use adapter 'lora' (the same LoRA on its "
                          "Linear layers)")
     _inc, exc, ranges = _parse_options(cfg.targets, "", cfg.exclude, cfg.blocks)
     chosen = {p: s for p, s in sorted(convs.items())
               if (exc is None or exc.search(p) is None) and _in_blocks(p, ranges)}
     if not chosen:
-        raise ValueError(f"[Precision LoRA] input 'adapter'='locon': exclude={cfg.exclude!r} blocks={cfg.blocks!r} "
+        raise ValueError(f"input 'adapter'='locon': exclude={cfg.exclude!r} blocks={cfg.blocks!r} "
                          f"leave none of the {len(convs)} res-block Conv2d layers: widen exclude / blocks, or use "
                          "adapter 'lora'")
     narrow = {p: s for p, s in chosen.items() if conv_width(s) < cfg.rank}
     if narrow:
         p, s = next(iter(narrow.items()))
-        raise ValueError(f"[Precision LoRA] input 'rank'={cfg.rank} exceeds the width of Conv2d '{p}' "
+        raise ValueError(f"input 'rank'={cfg.rank} exceeds the width of Conv2d '{p}' "
                          f"({s[1]}x{s[0]}x{s[2]}x{s[3]}): use rank <= {min(conv_width(x) for x in chosen.values())} "
                          "with adapter 'locon'")
     return chosen
@@ -93,16 +93,16 @@ def split_conv_factors(tensors: Mapping[str, torch.Tensor], convs: Mapping[str, 
         n_in, n_out, kh, kw = convs[path]
         if key.endswith(".lora_down.weight"):
             if tuple(t.shape[1:]) != (n_in, kh, kw):
-                raise ValueError(f"[Precision LoRA] {name}: '{key}' is {tuple(t.shape)} but Conv2d '{path}' needs "
+                raise ValueError(f"{name}: '{key}' is {tuple(t.shape)} but Conv2d '{path}' needs "
                                  f"(rank, {n_in}, {kh}, {kw}): the LoRA was trained for a different model size")
             t = t.reshape(t.shape[0], -1)
         elif key.endswith(".lora_up.weight"):
             if t.dim() != 4 or tuple(t.shape[2:]) != (1, 1):
-                raise ValueError(f"[Precision LoRA] {name}: '{key}' is {tuple(t.shape)}: a LoCon up factor is (out, rank, "
+                raise ValueError(f"{name}: '{key}' is {tuple(t.shape)}: a LoCon up factor is (out, rank, "
                                  "1, 1); other conv forms are not implemented in fp32 mode: load it with mode 'merge'")
             t = t.reshape(t.shape[0], t.shape[1])
         elif not key.endswith(".alpha"):
-            raise ValueError(f"[Precision LoRA] {name}: '{key}' on Conv2d '{path}' is a form the fp32 LoCon does not "
+            raise ValueError(f"{name}: '{key}' on Conv2d '{path}' is a form the fp32 LoCon does not "
                              "implement (lora_down / lora_up / alpha only): load it with mode 'merge'")
         mine[key] = t
     flat = {p: (s[0] * s[2] * s[3], s[1]) for p, s in convs.items()}

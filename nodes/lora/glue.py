@@ -28,6 +28,7 @@ from ...training.checks import show
 from ...lora.targets import TargetPlan, plan_targets as _plan_targets
 from ...lora.adapter_files import is_adapter_file
 from ..checks.file_names import inside, name_problem
+from ..host import errors
 from ..host.quantized import check_layer, is_linear, layer_weight
 from ..model.info import ModelInfo, describe_model
 from . import adapter_glue, conv_glue
@@ -47,6 +48,13 @@ class LoRAForward:
         self.adapters = tuple(adapters)
 
     def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        try:
+            return self._forward(x)
+        except Exception as exc:  # also under KSampler or another pack's node: the pack's messages say whose
+            errors.mark(exc)
+            raise
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         comfy.ops.run_every_op()
         m = self.module
         for a in self.adapters:
@@ -120,7 +128,7 @@ def install(model, lora_set: LoRASet, attachment_key: str | None = ATTACHMENT_KE
     for path, adapter in lora_set.adapters().items():
         conv = isinstance(adapter, LoConAdapter) and isinstance(modules.get(path), torch.nn.Conv2d)
         if path not in modules or not (conv or is_linear(modules[path])):
-            raise ValueError(f"[Precision LoRA] LoRA module '{path}' is not a linear layer of this model")
+            raise ValueError(f"LoRA module '{path}' is not a linear layer of this model")
         check_layer(modules[path], path)
         key = f"{_PREFIX}{path}.forward"
         previous = patched.object_patches.get(key)
@@ -158,7 +166,7 @@ def attach_lora(model, cfg: LoRAConfig, init_file: str | None = None,
         with torch.inference_mode(False):
             lora_set.load_factors({p: (f.down, f.up, f.scale) for p, f in factors.items()})
     adapter_glue.load_init(lora_set, parsed, what)
-    log.info("[Precision LoRA] attached rank-%d %s to %d modules (%d parameters, fp32_accumulation=%s)",
+    log.info("attached rank-%d %s to %d modules (%d parameters, fp32_accumulation=%s)",
              cfg.rank, cfg.adapter, len(shapes), lora_set.num_parameters(), cfg.fp32_accumulation)
     return install(model, lora_set)
 
@@ -281,13 +289,13 @@ def load_lora_merge(model, tensors: Mapping[str, torch.Tensor], strength: float,
     loaded = comfy.lora.load_lora(comfy.lora_convert.convert_lora(dict(tensors)), key_map)
     if not loaded:
         raise ValueError(
-            f"[Precision LoRA] {name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches this model: "
+            f"{name}: none of its {len(tensors)} keys (e.g. {sorted(tensors)[:3]}) matches this model: "
             "it is a LoRA for another model family or architecture; pick a LoRA trained for this model"
         )
     patched = model.clone()
     applied = patched.add_patches(loaded, strength)
     if len(applied) < len(loaded):
-        log.warning("[Precision LoRA] %s: %d of %d LoRA weights found no model weight", name,
+        log.warning("%s: %d of %d LoRA weights found no model weight", name,
                     len(loaded) - len(applied), len(loaded))
     return patched
 
@@ -298,7 +306,7 @@ LOAD_MODES = {"fp32": load_lora_fp32, "merge": load_lora_merge}
 def load_lora(model, tensors: Mapping[str, torch.Tensor], strength: float, mode: str, name: str):
     """Apply a LoRA file's tensors in ``mode`` ("fp32" unmerged, "merge" ComfyUI patches)."""
     if mode not in LOAD_MODES:
-        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: mode={mode!r} is unknown: use one of {list(LOAD_MODES)}")
+        raise ValueError(f"PrecisionLoadLoRA: mode={mode!r} is unknown: use one of {list(LOAD_MODES)}")
     return LOAD_MODES[mode](model, tensors, strength, name)
 
 
@@ -315,7 +323,7 @@ def save_folder(folder: str) -> str:
         return os.path.abspath(folder_paths.get_folder_paths("loras")[0])
     if folder == "output":
         return os.path.abspath(folder_paths.get_output_directory())
-    raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: folder={folder!r} is unknown: use one of {list(SAVE_FOLDERS)}")
+    raise ValueError(f"PrecisionSaveLoRA: folder={folder!r} is unknown: use one of {list(SAVE_FOLDERS)}")
 
 
 def folders_made_for(folder: str, prefix: str) -> list[str]:
@@ -345,7 +353,7 @@ def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
 
     reason = name_problem(prefix, subfolders=True)
     if reason:
-        raise ValueError(f"[Precision LoRA] PrecisionSaveLoRA: input 'filename_prefix'={show(prefix)} {reason}")
+        raise ValueError(f"PrecisionSaveLoRA: input 'filename_prefix'={show(prefix)} {reason}")
     base = save_folder(folder)
     os.makedirs(base, exist_ok=True)
     prefix = prefix.replace("\\", "/").strip()
@@ -356,7 +364,7 @@ def resolve_save_path(folder: str, prefix: str, use_counter: bool) -> str:
         path = os.path.join(base, prefix if prefix.endswith(".safetensors") else prefix + ".safetensors")
     if not inside(base, os.path.dirname(path)):
         raise ValueError(
-            f"[Precision LoRA] PrecisionSaveLoRA: filename_prefix={prefix!r} resolves outside {base} (through a symlink): "
+            f"PrecisionSaveLoRA: filename_prefix={prefix!r} resolves outside {base} (through a symlink): "
             "choose a name inside the folder"
         )
     return path
@@ -382,13 +390,13 @@ def apply_attention_policy(model, md: Mapping[str, str], policy: str, override=N
     try:
         recorded = AttentionConfig.from_metadata(md)
     except ValueError as e:
-        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: {name}: {e}; set attention to 'ignore' or 'override'") from None
+        raise ValueError(f"PrecisionLoadLoRA: {name}: {e}; set attention to 'ignore' or 'override'") from None
     current = get_attention_config(model)
     target = {"apply_recorded": recorded, "ignore": None, "override": override}.get(policy, "bad")
     if target == "bad":
-        raise ValueError(f"[Precision LoRA] PrecisionLoadLoRA: attention={policy!r} is unknown: use one of {list(ATTENTION_POLICIES)}")
+        raise ValueError(f"PrecisionLoadLoRA: attention={policy!r} is unknown: use one of {list(ATTENTION_POLICIES)}")
     if current is not None and recorded is not None and not _same_attention(current, recorded):
-        log.warning("[Precision LoRA] PrecisionLoadLoRA: %s was trained with attention %s but the incoming model is "
+        log.warning("PrecisionLoadLoRA: %s was trained with attention %s but the incoming model is "
                     "patched with %s; %s", name, recorded, current,
                     "the recorded settings replace them" if policy == "apply_recorded" else "keeping the model's")
     if target is None:
@@ -409,6 +417,6 @@ def _installed_backend(target, name: str):
     reason = available().get(target.backend) if target.backend != "auto" else None
     if reason is None:
         return target, ""
-    log.warning("[Precision LoRA] PrecisionLoadLoRA: %s records attention backend %r, which is unavailable here "
+    log.warning("PrecisionLoadLoRA: %s records attention backend %r, which is unavailable here "
                 "(%s); using ComfyUI's own attention (auto) with the same softmax scale", name, target.backend, reason)
     return target.replace(backend="auto"), f" (recorded backend {target.backend!r} unavailable here: {reason}; using auto)"

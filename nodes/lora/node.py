@@ -19,6 +19,7 @@ from .trained_over import missing_adapters, missing_note
 from ..checks.gate import PrecisionNode
 from ..host.types import TrainingStateType
 from ..host import page
+from ..host.errors import plain
 from ..host.comfy_io import io
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def _loras() -> list[str]:
 
 
 def _err(node: str, message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {node}: {message}")
+    return ValueError(f"{node}: {message}")
 
 
 def _float(name: str, default: float, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
@@ -95,7 +96,7 @@ class PrecisionAttachLoRA(PrecisionNode):
         try:
             LoRAConfig(**{n: values[n] for n in names}, **given)  # validates
         except ValueError as e:
-            return str(e).replace("[Precision LoRA] ", "")
+            return plain(str(e))
         return None
 
     @classmethod
@@ -109,7 +110,7 @@ class PrecisionAttachLoRA(PrecisionNode):
                              adapter=adapter, lokr_factor=lokr_factor)
             target_plan = glue.target_plan(model, cfg)
         except ValueError as e:
-            raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
+            raise _err(cls.NODE, plain(str(e))) from None
         plan = target_plan.chosen
         listing = "\n".join([f"{p}  ({i} -> {o})" for p, (i, o, *_k) in plan.items()] + target_plan.report_lines())
         if dry_run:
@@ -207,10 +208,10 @@ def _write(node: str, path: str, model, info, lora_set, style: str, save_dtype: 
     try:
         return glue.write_lora(path, model, info, lora_set, style, save_dtype, extra, overwrite=True)
     except NonFiniteError as e:
-        raise _err(node, f"input 'model' carries a LoRA with NaN/inf values ({str(e).replace('[Precision LoRA] ', '')}); "
+        raise _err(node, f"input 'model' carries a LoRA with NaN/inf values ({plain(str(e))}); "
                          "nothing was written: retrain with a lower learning_rate or max_grad_norm > 0") from None
     except ValueError as e:
-        raise _err(node, f"input 'save_dtype'={save_dtype!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
+        raise _err(node, f"input 'save_dtype'={save_dtype!r}: {plain(str(e))}") from None
 
 
 def _state_mismatch(lora_set, state) -> str | None:
@@ -273,20 +274,20 @@ class PrecisionLoadLoRA(PrecisionNode):
         try:
             tensors, md = read_lora_file(path)
         except (ValueError, FileNotFoundError) as e:
-            raise _err(cls.NODE, f"input 'lora_name'={lora_name!r}: {str(e).replace('[Precision LoRA] ', '')}") from None
+            raise _err(cls.NODE, f"input 'lora_name'={lora_name!r}: {plain(str(e))}") from None
         try:
             override = AttentionConfig(backend=override_backend, scale_mode=override_scale_mode,
                                        scale_value=override_scale_value) if attention == "override" else None
             patched = glue.load_lora(model, tensors, strength, mode, name)
             patched, note = glue.apply_attention_policy(patched, md, attention, override, name)
         except (ValueError, FileNotFoundError) as e:
-            raise _err(cls.NODE, str(e).replace("[Precision LoRA] ", "")) from None
+            raise _err(cls.NODE, plain(str(e))) from None
         info = f"{lora_name}: {mode}, strength {strength}; {note}"
         hidden = getattr(cls, "hidden", None)
         missing = missing_adapters(md, getattr(hidden, "prompt", None), getattr(hidden, "unique_id", None))
         if missing:
             info += "\n" + missing_note(lora_name, missing)
-            log.warning("[Precision LoRA] %s: %s", cls.NODE, missing_note(lora_name, missing))
+            log.warning("%s: %s", cls.NODE, missing_note(lora_name, missing))
         return io.NodeOutput(patched, info)
 
 

@@ -74,7 +74,7 @@ def read_metadata(path: str) -> dict[str, object]:
                 if alpha_keys:
                     alpha = float(f.get_tensor(alpha_keys[0]).float().reshape(-1)[0])
     except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise QueryRefused(422, f"[Precision LoRA] metadata: not a readable safetensors file ({type(e).__name__}: {e})") from e
+        raise QueryRefused(422, f"metadata: not a readable safetensors file ({type(e).__name__}: {e})") from e
     return {"metadata": metadata, "summary": summarize(metadata, shapes, alpha)}
 
 

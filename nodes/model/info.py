@@ -109,7 +109,7 @@ def _file_unet_config(path: str) -> dict:
             metadata = dict(f.metadata() or {})
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:
-        raise QueryRefused(422, f"[Precision LoRA] model info: not a readable safetensors file ({type(e).__name__}: {e})") from e
+        raise QueryRefused(422, f"model info: not a readable safetensors file ({type(e).__name__}: {e})") from e
     if UNET_CONFIG_KEY in metadata:
         return json.loads(metadata[UNET_CONFIG_KEY])
     sd = {k: torch.empty(shape, device="meta") for k, shape in shapes.items()}
@@ -120,9 +120,9 @@ def _file_unet_config(path: str) -> dict:
             prefix = ""
         unet_config = comfy.model_detection.detect_unet_config(sd, prefix, metadata=metadata)
     except Exception as e:
-        raise QueryRefused(422, f"[Precision LoRA] model info: ComfyUI could not detect the model type ({type(e).__name__}: {e})") from e
+        raise QueryRefused(422, f"model info: ComfyUI could not detect the model type ({type(e).__name__}: {e})") from e
     if unet_config is None:
-        raise QueryRefused(422, "[Precision LoRA] model info: not a diffusion model ComfyUI recognises")
+        raise QueryRefused(422, "model info: not a diffusion model ComfyUI recognises")
     return dict(unet_config)
 
 

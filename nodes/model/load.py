@@ -57,7 +57,7 @@ def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
     if model_config is None and model_class in TINY_UNET_CLASSES:  # a tiny UNet stock detection cannot match
         model_config = getattr(comfy.supported_models, model_class)(dict(unet_config))
     if model_config is None:
-        raise ValueError(f"[Precision LoRA] ComfyUI has no model class matching config {unet_config}")
+        raise ValueError(f"ComfyUI has no model class matching config {unet_config}")
     per_layer = False
     if state_dict is not None:
         state_dict, per_layer = prepare_state_dict(model_config, state_dict, metadata)
@@ -80,12 +80,12 @@ def build_model_from_config(unet_config: dict, state_dict: dict | None = None,
 
 def _read_file(path: str) -> tuple[dict, dict]:
     if not os.path.isfile(path):
-        raise ValueError(f"[Precision LoRA] {NODE}: model file {path!r} does not exist; "
+        raise ValueError(f"{NODE}: model file {path!r} does not exist; "
                          "put the file into models/diffusion_models and refresh")
     try:
         sd, metadata = comfy.utils.load_torch_file(path, return_metadata=True)
     except Exception as exc:  # corrupt / truncated / not a tensor file
-        raise ValueError(f"[Precision LoRA] {NODE}: cannot read {os.path.basename(path)!r} as a model file "
+        raise ValueError(f"{NODE}: cannot read {os.path.basename(path)!r} as a model file "
                          f"({type(exc).__name__}: {exc}); re-download or choose another file") from exc
     return sd, metadata or {}
 
@@ -97,7 +97,7 @@ def load_model_file(path: str, weight_dtype: str = "default"):
     config; everything else goes through ComfyUI's stock detection.
     """
     if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"[Precision LoRA] {NODE}: weight_dtype {weight_dtype!r} unknown; "
+        raise ValueError(f"{NODE}: weight_dtype {weight_dtype!r} unknown; "
                          f"choose one of {', '.join(WEIGHT_DTYPES)}")
     dtype = WEIGHT_DTYPES[weight_dtype]
     # Nodes run under inference_mode; tensors created there cannot be saved for backward.
@@ -110,10 +110,10 @@ def load_model_file(path: str, weight_dtype: str = "default"):
             try:
                 model = comfy.sd.load_diffusion_model_state_dict(sd, {"dtype": dtype} if dtype else {}, metadata)
             except Exception as exc:
-                raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} failed to load as a "
+                raise ValueError(f"{NODE}: {os.path.basename(path)!r} failed to load as a "
                                  f"diffusion model ({type(exc).__name__}: {exc})") from exc
     if model is None:
-        raise ValueError(f"[Precision LoRA] {NODE}: {os.path.basename(path)!r} is not a diffusion model ComfyUI "
+        raise ValueError(f"{NODE}: {os.path.basename(path)!r} is not a diffusion model ComfyUI "
                          "recognises (no model type detected); choose a diffusion model (UNet/DiT) file")
     quantized_as_inference(model.model.diffusion_model)  # as ComfyUI's own loader makes them (see there)
     return set_reload(model, _reload, path, weight_dtype)
@@ -173,11 +173,11 @@ class PrecisionLoadDiffusionModel(PrecisionNode):
     def execute(cls, model_name: str, weight_dtype: str) -> io.NodeOutput:
         path = folder_paths.get_full_path("diffusion_models", model_name)
         if path is None:
-            raise ValueError(f"[Precision LoRA] {NODE}: model_name {model_name!r} is not in models/diffusion_models; "
+            raise ValueError(f"{NODE}: model_name {model_name!r} is not in models/diffusion_models; "
                              "put the file there and refresh the node list")
         model = load_model_file(path, weight_dtype)
         info = describe_model(model)
-        log.info("[Precision LoRA] loaded %s: %s", model_name, info.describe().replace("\n", "; "))
+        log.info("loaded %s: %s", model_name, info.describe().replace("\n", "; "))
         return io.NodeOutput(model, info.describe())
 
 

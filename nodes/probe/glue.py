@@ -163,7 +163,7 @@ def probe_model(model, latent: dict, conditioning: list, noise_level: float = 0.
             m = modules[path]
             lora[path] = delta_survival(inputs[path], m.weight, m.bias, adapters)
         else:
-            log.warning("[Precision LoRA] PrecisionProbe: LoRA layer %s was not called in the forward", path)
+            log.warning("PrecisionProbe: LoRA layer %s was not called in the forward", path)
     return ProbeResult(output=output, sigma=sigma, attention_cfg=ours.cfg, head_dim=recorder.head_dim,
                        scale=recorder.scale, base_scale=recorder.base, lora=lora, attention=recorder.layers,
                        weight_patches=len(getattr(model, "patches", {})))

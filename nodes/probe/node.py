@@ -27,7 +27,7 @@ def settings_of(result: ProbeResult) -> dict[str, object]:
 
 
 def _err(input_name: str, message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: input '{input_name}' {message}")
+    return ValueError(f"{NODE}: input '{input_name}' {message}")
 
 
 def pick(model, latents: list, conditionings: list) -> tuple[dict, list, str]:
@@ -99,7 +99,7 @@ class PrecisionProbe(PrecisionNode):
                          "cannot be measured as adapters; load the LoRA with PrecisionLoadLoRA mode=fp32 to probe it.")
         report = format_report(result.lora, attention, settings_of(result), result.sigma, notes)
         chart = draw_probe_chart(summarize(result.lora), attention)
-        log.info("[Precision LoRA] probe: %d LoRA layers, %d attention calls", len(result.lora), len(attention))
+        log.info("probe: %d LoRA layers, %d attention calls", len(result.lora), len(attention))
         return io.NodeOutput(report, chart, ui=ui.PreviewText(report))
 
 

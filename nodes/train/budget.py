@@ -80,7 +80,7 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
     if plan is None:
         least = tried[-1]
         raise ValueError(
-            f"[Precision LoRA] PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
+            f"PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
             f"PrecisionTrainSettings: no plan fits {budget:g} GiB: the smallest, {base} base, {least.describe()}, is est. "
             f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces); "
             f"raise vram_budget_gb, lower the resolution, rank or batch size, {_smaller_base(base)}"
@@ -167,7 +167,7 @@ def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds
     report ("" when the estimate is as asked)."""
     settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0",
                                    offload_block_inputs=offload and checkpointing)
-    log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimating one training step of this model at "
+    log.info("PrecisionTrainLoRA: vram_budget_gb: estimating one training step of this model at "
              "its real size on the CPU (fake tensors, %s; about 15 s for Flux.1-dev at 1024 px)",
              "checkpointing" if checkpointing else "no checkpointing")
     began, note = time.monotonic(), ""
@@ -184,12 +184,12 @@ def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds
         if not _reads_values(exc):
             raise
         raise ValueError(
-            f"[Precision LoRA] PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
+            f"PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
             f"PrecisionTrainSettings: this model's forward ({type(model.model).__name__}) reads tensor values as Python "
             "numbers (MiniMax H3: the sigma), which the planner's value-less fake tensors cannot give, so its "
             "training step cannot be estimated; set vram_budget_gb to 0 and set gradient_checkpointing / "
             "swap_blocks by hand") from exc
-    log.info("[Precision LoRA] PrecisionTrainLoRA: vram_budget_gb: estimated in %.1f s (tracked peak %.2f GiB)",
+    log.info("PrecisionTrainLoRA: vram_budget_gb: estimated in %.1f s (tracked peak %.2f GiB)",
              time.monotonic() - began, run["peak"] / GIB)
     return step_cost(run), note
 

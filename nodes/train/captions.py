@@ -21,7 +21,7 @@ NODE = "PrecisionTrainLoRA"
 
 
 def _err(message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: input 'empty_conditioning': {message}")
+    return ValueError(f"{NODE}: input 'empty_conditioning': {message}")
 
 
 def with_empty_caption(model: Any, samples: list[Sample], empty: list[Any] | None, cfg: TrainSettings,
@@ -29,7 +29,7 @@ def with_empty_caption(model: Any, samples: list[Sample], empty: list[Any] | Non
     """``samples`` with ``empty_cond`` set when caption dropout is on; unchanged when it is off."""
     if cfg.caption_dropout <= 0:
         if empty:
-            log.info("[Precision LoRA] %s: empty_conditioning is connected but caption_dropout is 0; it is unused",
+            log.info("%s: empty_conditioning is connected but caption_dropout is 0; it is unused",
                      NODE)
         return samples
     if not empty:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ...training.checkpoint import (LORA_SUFFIX, STATE_SUFFIXES, TrainingState, state_candidates,
                                    state_lora_mismatch, state_stem)
 from ..checks.file_names import _absolute, inside, name_problem
+from ..host.errors import plain
 
 LEGACY_SUBDIR = ("precision_lora", "checkpoints")
 NODE = "PrecisionTrainLoRA"
@@ -78,7 +79,7 @@ class ResumePick:
 
 def _err(value: str, problem: str) -> ValueError:
     """``problem`` starts with its separator (" is ...", ": ...")."""
-    return ValueError(f"[Precision LoRA] {NODE}: input 'resume_from'={value!r}{problem}")
+    return ValueError(f"{NODE}: input 'resume_from'={value!r}{problem}")
 
 
 def relative_name(value: str) -> str:
@@ -185,7 +186,7 @@ def check_pair(value: str, pick: ResumePick, state: TrainingState) -> None:
         tensors, _ = read_lora_file(pick.lora)
     except (ValueError, FileNotFoundError) as exc:
         raise _err(value, f": cannot check the training state {pick.state} against its LoRA: "
-                          f"{str(exc).replace('[Precision LoRA] ', '')}") from None
+                          f"{plain(str(exc))}") from None
     reason = state_lora_mismatch(state, tensors)
     if reason:
         raise _err(value, f": the training state {pick.state} does not belong to the LoRA {pick.lora} ({reason}): "

@@ -37,7 +37,7 @@ NODE = "PrecisionTrainLoRA"
 
 
 def _err(input_name: str, message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: input '{input_name}': {message}")
+    return ValueError(f"{NODE}: input '{input_name}': {message}")
 
 
 def _latent_rows(model: Any, latents: list[Any]) -> tuple[list[torch.Tensor], list[int], list[Any]]:

@@ -95,14 +95,14 @@ def flow_kind(model_sampling: Any) -> str:
     if isinstance(model_sampling, cms.COSMOS_RFLOW):
         return "cosmos"
     if isinstance(model_sampling, cms.X0):
-        raise ValueError("[Precision LoRA] PrecisionTrainLoRA: x0-prediction models are not supported for training")
+        raise ValueError("PrecisionTrainLoRA: x0-prediction models are not supported for training")
     if isinstance(model_sampling, cms.EPS):
         return "eps"
     if isinstance(model_sampling, getattr(cms, "V_PREDICTION_DDPM", ())):
         # CogVideoX (ComfyUI 0.33+): x_t = x0 + sigma * noise as for eps models, and apply_model returns x0
         # either way, so the noise it implies is (x_t - x0_hat) / sigma: it trains as the eps models do.
         return "eps"
-    raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: unsupported model sampling {type(model_sampling).__name__}")
+    raise ValueError(f"PrecisionTrainLoRA: unsupported model sampling {type(model_sampling).__name__}")
 
 
 def resolve_target(settings: TrainSettings, kind: str) -> str:
@@ -110,7 +110,7 @@ def resolve_target(settings: TrainSettings, kind: str) -> str:
     if target == "auto":
         return "noise" if kind == "eps" else "velocity"
     if target == "velocity" and kind == "eps":
-        raise ValueError("[Precision LoRA] PrecisionTrainSettings: target='velocity' needs a flow-matching model; "
+        raise ValueError("PrecisionTrainSettings: target='velocity' needs a flow-matching model; "
                          "this model predicts noise: use target 'auto' or 'noise'")
     return target
 
@@ -192,7 +192,7 @@ def fork_lora(model: Any, node: str = "PrecisionTrainLoRA") -> tuple[Any, LoRASe
     """
     old = model.get_attachment(ATTACHMENT_KEY)
     if old is None:
-        raise ValueError(f"[Precision LoRA] {node}: the model has no LoRA attached; "
+        raise ValueError(f"{node}: the model has no LoRA attached; "
                          "put PrecisionAttachLoRA between the model loader and this node")
     with torch.inference_mode(False):
         new = old.copy()
@@ -297,7 +297,7 @@ def training_session(model: Any, lora_set: LoRASet, settings: TrainSettings) -> 
     try:
         converted = normal_weights(dm)
         if converted:
-            log.info("[Precision LoRA] copied %d inference-mode weights of the model out of inference mode "
+            log.info("copied %d inference-mode weights of the model out of inference mode "
                      "(once per load)", converted)
         with torch.inference_mode(False):  # Module.to inside inference mode would make inference parameters
             lora_set.to(device)

@@ -23,7 +23,7 @@ MARGIN = (56, 16, 16, 36)  # left, top, right, bottom (pixels)
 
 
 def _err(message: str) -> ValueError:
-    return ValueError(f"[Precision LoRA] {NODE}: {message}")
+    return ValueError(f"{NODE}: {message}")
 
 
 def finite_losses(loss_map: object) -> list[float]:

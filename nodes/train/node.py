@@ -19,6 +19,7 @@ from ...training.settings import NAN_POLICIES, TrainSettings
 from ...training.views import EMA_SAVE
 from ..checks.gate import PrecisionNode
 from ..host import page
+from ..host.errors import plain
 from ..host.comfy_io import io
 from .captions import with_empty_caption
 from .data import build_dataset
@@ -40,8 +41,8 @@ CATEGORY = "precision_lora/train"
 
 
 def _node_error(node: str, exc: Exception) -> ValueError:
-    msg = str(exc).replace("[Precision LoRA] ", "", 1)
-    return ValueError(f"[Precision LoRA] {node}: {msg}")
+    msg = plain(str(exc))
+    return ValueError(f"{node}: {msg}")
 
 
 def _float(name: str, lo: float, hi: float, step: float, tip: str) -> io.Float.Input:
@@ -163,7 +164,7 @@ class PrecisionTrainSettings(PrecisionNode):
     def execute(cls, **kwargs: Any) -> io.NodeOutput:
         built = build_settings(kwargs)
         if isinstance(built, str):
-            raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: {built}")
+            raise ValueError(f"PrecisionTrainSettings: {built}")
         return io.NodeOutput(built)
 
 
@@ -173,7 +174,7 @@ def build_settings(values: Mapping[str, Any]) -> TrainSettings | str:
     try:
         settings = TrainSettings(**values)
     except ValueError as exc:
-        return str(exc).replace("[Precision LoRA] ", "", 1)
+        return plain(str(exc))
     reason = optim.available()[settings.optimizer]
     if reason is not None:
         return f"input 'optimizer'={settings.optimizer!r} is {reason}, or choose 'adamw'"
@@ -200,7 +201,7 @@ class ConsoleLine:
         rate = r.local_step / max(now - self.began, 1e-9)
         eta = (self.steps - r.local_step) / rate if rate > 0 else 0.0
         loss = f"{self.smooth / self.weight:.4g}" if self.weight else "n/a"
-        return (f"[Precision LoRA] PrecisionTrainLoRA: step {r.step}/{self.start + self.steps} loss {loss} "
+        return (f"PrecisionTrainLoRA: step {r.step}/{self.start + self.steps} loss {loss} "
                 f"(smoothed) lr {r.lr:.3g} {rate:.2f} it/s ETA {_clock(eta)}")
 
 
@@ -262,7 +263,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         try:
             verify_resume(resume.strip())
         except ValueError as exc:
-            return str(exc).replace("[Precision LoRA] PrecisionTrainLoRA: ", "", 1)
+            return plain(str(exc)).removeprefix("PrecisionTrainLoRA: ")
         return None
 
     @classmethod
@@ -342,7 +343,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         if previewer is not None:
             previewer.raise_if_failed(checkpoint)
         if not outcome.ok:  # the LoRA never reaches Save LoRA as a good result (training/outcome.py)
-            raise ValueError(f"[Precision LoRA] PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
+            raise ValueError(f"PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
                              f"{exploded_note(moved, kept)}")
         images, shown = node_outputs(previewer)
         return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
@@ -355,13 +356,13 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
     # the plan decides what the session runs with; the run (its training state) keeps what the user set
     plan = plan_step(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
     if plan.line is not None:
-        log.info("[Precision LoRA] PrecisionTrainLoRA: %s", plan.line)
+        log.info("PrecisionTrainLoRA: %s", plan.line)
         lora_set.info.update(plan.metadata())
         changes = (plan.line, *changes)
     with training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in [*report.lines(), *attention.start_lines()]:
-            log.info("[Precision LoRA] PrecisionTrainLoRA: %s", line)
+            log.info("PrecisionTrainLoRA: %s", line)
         page.show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         start = state.step if state is not None else 0

@@ -60,7 +60,7 @@ class PreviewSettings:
     def __post_init__(self) -> None:
         problem = settings_problem(self.__dict__)
         if problem is not None:
-            raise ValueError(f"[Precision LoRA] {NODE}: {problem}")
+            raise ValueError(f"{NODE}: {problem}")
 
     def due(self, step: int, last: int) -> bool:
         """A preview after optimizer step ``step`` (of the whole run); ``last``: this node's final step."""
@@ -104,14 +104,14 @@ def check_fits(model: Any, previews: list[PreviewSettings]) -> None:
         where = "input 'preview'" + (f" (set {i})" if len(previews) > 1 else "")
         channels = getattr(p.vae, "latent_channels", None)
         if channels is not None and channels != fmt.latent_channels:
-            raise ValueError(f"[Precision LoRA] {TRAIN_NODE}: {where}: the VAE makes {channels}-channel latents, "
+            raise ValueError(f"{TRAIN_NODE}: {where}: the VAE makes {channels}-channel latents, "
                              f"this model uses {fmt.latent_channels}; connect the VAE of the model's family to "
                              f"{NODE}'s 'vae'")
         _, multiple = _multiple(model, p.vae)
         for key in ("width", "height"):
             size = getattr(p, key)
             if size % multiple:
-                raise ValueError(f"[Precision LoRA] {TRAIN_NODE}: {where}: {NODE} input '{key}'={size} is not a "
+                raise ValueError(f"{TRAIN_NODE}: {where}: {NODE} input '{key}'={size} is not a "
                                  f"multiple of {multiple} px (this model's latent cell x patch); use "
                                  f"{max(multiple, round(size / multiple) * multiple)}")
 
@@ -259,7 +259,7 @@ class Previewer:
         sheet = grid(images)
         # ComfyUI fits the preview into max_size both ways (a 64 px sheet would be sent as 1024 px): never upscale.
         self.pbar.update_absolute(step - self.start, self.steps, preview=("PNG", sheet, min(LIVE_MAX_SIZE, max(sheet.size))))
-        log.info("[Precision LoRA] preview at step %d: %d image(s) in %s", step, len(images), folder)
+        log.info("preview at step %d: %d image(s) in %s", step, len(images), folder)
 
     def wrap(self, on_step: Callable[[Any], str | None]) -> PreviewStepHook:
         return PreviewStepHook(self, on_step)
@@ -272,7 +272,7 @@ class Previewer:
         except mm.InterruptProcessingException:
             raise
         except Exception as exc:
-            raise ValueError(f"[Precision LoRA] {TRAIN_NODE}: input 'preview' failed at step 0 "
+            raise ValueError(f"{TRAIN_NODE}: input 'preview' failed at step 0 "
                              f"({type(exc).__name__}: {exc}); fix the {NODE} inputs (size, VAE, conditioning) "
                              "or disconnect 'preview'") from exc
 
@@ -280,7 +280,7 @@ class Previewer:
         if self.error is None:
             return
         kept = f"training stopped there, saved as {checkpoint!r}" if checkpoint else "training stopped there"
-        raise ValueError(f"[Precision LoRA] {TRAIN_NODE}: input 'preview' failed at step {self.failed_step} "
+        raise ValueError(f"{TRAIN_NODE}: input 'preview' failed at step {self.failed_step} "
                          f"({type(self.error).__name__}: {self.error}); {kept}. Fix the {NODE} inputs (size, VAE, "
                          "conditioning) or disconnect 'preview', then resume from the checkpoint") from self.error
 
@@ -325,7 +325,7 @@ class PreviewStepHook:
             return "interrupt"
         except Exception as exc:  # noqa: BLE001 - raised by the node once the checkpoint is written
             pv.error, pv.failed_step = exc, report.step
-            log.error("[Precision LoRA] preview at step %d failed: %s", report.step, exc)
+            log.error("preview at step %d failed: %s", report.step, exc)
             return "stop"
         return action
 

@@ -93,7 +93,7 @@ def make_control_handler(get_job: Callable[[], Any]):
         if node_id is not None and str(node_id) != str(job.node_id):
             return _fail(409, f"node {str(node_id)[:40]} is not training now (node {job.node_id} is)")
         coalesced = job.request(body["action"])
-        log.info("[Precision LoRA] %s requested for training node %s at step %d%s", body["action"], job.node_id,
+        log.info("%s requested for training node %s at step %d%s", body["action"], job.node_id,
                  job.step, " (coalesced with the pending one)" if coalesced else "")
         return web.json_response({"ok": True, "action": body["action"], "node_id": job.node_id, "step": job.step,
                                   "coalesced": coalesced})
@@ -131,4 +131,4 @@ def register() -> None:
     if callable(add_handler):
         add_handler(on_prompt)  # rules across nodes, checked when a prompt is queued
     _registered = True
-    log.info("[Precision LoRA] routes %s and %s registered", CONTROL_ROUTE, HISTORY_ROUTE)
+    log.info("routes %s and %s registered", CONTROL_ROUTE, HISTORY_ROUTE)

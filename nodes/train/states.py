@@ -56,12 +56,12 @@ def resume_changes(state: TrainingState | None, cfg: TrainSettings, resume: str)
     changes = settings_changes(state.settings, cfg.to_dict())
     for name, old, new in changes:
         if name == "optimizer":
-            raise ValueError(f"[Precision LoRA] {NODE}: {source} continues a run trained with optimizer {old!r}, but "
+            raise ValueError(f"{NODE}: {source} continues a run trained with optimizer {old!r}, but "
                              f"the settings choose {new!r}: an optimizer state cannot be carried over to another "
                              f"optimizer; set optimizer to {old!r} to continue, or start a new run")
     lines = [f"resume: {line}" for line in describe_changes(changes)]
     for line in lines:
-        log.info("[Precision LoRA] %s: %s (takes effect from step %d)", NODE, line, state.step + 1)
+        log.info("%s: %s (takes effect from step %d)", NODE, line, state.step + 1)
     return lines
 
 
@@ -137,7 +137,7 @@ def set_aside_exploded(checkpoints: list[str]) -> tuple[list[str], list[str]]:
             if os.path.isfile(file):
                 os.replace(file, file + EXPLODED_SUFFIX)
         moved.append(path)
-        log.warning("[Precision LoRA] %s: checkpoint %s has exploded weights; renamed to %s so no LoRA list "
+        log.warning("%s: checkpoint %s has exploded weights; renamed to %s so no LoRA list "
                     "offers it", NODE, path, os.path.basename(path) + EXPLODED_SUFFIX)
     return moved, kept
 

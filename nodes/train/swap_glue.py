@@ -28,7 +28,7 @@ from torch import nn
 
 import comfy.model_management as mm
 
-from ...training.swap import frozen_params, swap_blocks
+from ...training.swap import swap_blocks
 from ...training.settings import TrainSettings
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def swapped_blocks(checkpointed: Sequence[nn.Module], settings: TrainSettings, f
         most = len(checkpointed)
         fix = (f"set swap_blocks to at most {most}" if most else
                "this model has no block list to stream; set swap_blocks to 0")
-        raise ValueError(f"[Precision LoRA] PrecisionTrainSettings: input 'swap_blocks'={n} but this {family} model "
+        raise ValueError(f"PrecisionTrainSettings: input 'swap_blocks'={n} but this {family} model "
                          f"has {most} blocks that can be swapped (every checkpointed block; the last block is not "
                          f"checkpointed): {fix}")
     return list(checkpointed[:n])
@@ -84,7 +84,7 @@ def load_resident(model: Any, blocks: Sequence[nn.Module]) -> int:
     ValueError when the model carries weight patches (a LoRA applied by a stock loader): ComfyUI bakes those
     into the weights only when it loads the whole model, which a swapped run never does."""
     if model.patches:
-        raise ValueError("[Precision LoRA] PrecisionTrainLoRA: input 'settings' has swap_blocks="
+        raise ValueError("PrecisionTrainLoRA: input 'settings' has swap_blocks="
                          f"{len(blocks)}, but the model carries {len(model.patches)} weight patches (a LoRA "
                          "applied by a stock LoRA loader), which ComfyUI applies only when it loads the whole "
                          "model: train without that loader (or merge and save it first), or set swap_blocks to 0")
@@ -102,7 +102,7 @@ def load_resident(model: Any, blocks: Sequence[nn.Module]) -> int:
         # registered as loaded: its partially_load finds a loaded model and moves nothing, now and when a
         # preview samples with it
         mm.load_models_gpu([model])
-    log.info("[Precision LoRA] block swap: %d blocks stream from host memory (%.1f MiB), %.1f MiB resident on %s",
+    log.info("block swap: %d blocks stream from host memory (%.1f MiB), %.1f MiB resident on %s",
              len(blocks), streamed / 2**20, resident / 2**20, device)
     return resident
 

@@ -186,7 +186,7 @@ def test_a_list_of_conditionings_that_does_not_fit_its_latent_list_names_the_ite
     two = [[make_conditioning(env.model, 1, text=t)[0][0], {}] for t in "ab"]
     conds = [make_conditioning(env.model, 1, text="x"), [[torch.cat([two[0][0], two[1][0]]), {}]]]
     with torch.inference_mode(), pytest.raises(ValueError, match=(
-            r"^\[Precision LoRA\] PrecisionTrainLoRA: input 'conditioning': item 1 has 2 conditioning rows \(1 "
+            r"^PrecisionTrainLoRA: input 'conditioning': item 1 has 2 conditioning rows \(1 "
             r"entries\) for the 1 samples of LATENT 1: the captions cannot be matched to the images")):
         env.td.build_samples(env.model, latents, conds, None, torch.device("cpu"))
     # item 0's one row is shared by its LATENT's two samples when item 1 fits

@@ -28,7 +28,7 @@ def test_a_text_encoder_of_the_wrong_width_names_both_widths_and_the_encoder(env
     assert "(expected width 1024, got width 64); Cosmos-Predict2 needs the old T5-XXL (CLIPLoader, type cosmos)" \
         in cosmos_problem
     with torch.inference_mode(), pytest.raises(ValueError, match=(
-            r"^\[Precision LoRA\] PrecisionTrainLoRA: input 'conditioning': item 0 has context shape \(1, 154, 768\)")):
+            r"^PrecisionTrainLoRA: input 'conditioning': item 0 has context shape \(1, 154, 768\)")):
         env.td.build_samples(env.flux, [{"samples": torch.randn(1, 16, 4, 4)}], [clip_l], None, torch.device("cpu"))
 
 

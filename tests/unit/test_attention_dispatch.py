@@ -72,7 +72,7 @@ def test_masked_call_on_a_backend_without_masks_runs_on_sdpa_and_logs(monkeypatc
     assert calls == []
     ref = reference_attention(q.double(), k.double(), v.double(), scale=1 / math.sqrt(8), mask=mask)
     assert (out.double() - ref).abs().max().item() < 2e-6
-    assert "[Precision LoRA] attention backend 'flash' cannot take masks; masked calls run on sdpa" in caplog.text
+    assert "attention backend 'flash' cannot take masks; masked calls run on sdpa" in caplog.text
 
 
 @pytest.mark.skipif(backends.available()["xformers"] is None, reason="xformers is installed here")
@@ -95,7 +95,7 @@ def test_softclamp_warns_when_below_ten_times_the_max_logit(caplog):
     q, k, v = _qkv()
     with caplog.at_level(logging.WARNING):
         AttentionDispatcher(AttentionConfig(backend="math", softclamp=1.0)).run(q, k, v, layer="double.0")
-    assert "[Precision LoRA] softclamp=1.0 is below 10x the max logit" in caplog.text
+    assert "softclamp=1.0 is below 10x the max logit" in caplog.text
     assert "attention layer double.0" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):

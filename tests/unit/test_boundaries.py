@@ -60,3 +60,19 @@ def test_package_root_imports_without_comfyui():
             f"m = importlib.util.module_from_spec(spec); sys.modules['pl_pack'] = m; spec.loader.exec_module(m)\n"
             f"print(m.WEB_DIRECTORY, callable(m.comfy_entrypoint), 'comfy' in sys.modules)")
     assert _run(code).split() == ["./web", "True", "False"]
+
+
+def test_the_message_prefix_is_written_where_messages_leave_the_pack():
+    """#34: one prefix, added at the boundary (nodes/host/errors.py); pure packages and node code write plain
+    messages. The one other literal: the second-copy message, logged before the pack registers (and read by
+    scripts/comfy_bootstrap.py, which loads that file by its path)."""
+    found = {}
+    for top in ("attention", "training", "lora", "probe", "nodes", "runner", "demo"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    count = open(path, encoding="utf-8").read().count("[Precision LoRA]")
+                    if count:
+                        found[os.path.relpath(path, ROOT)] = count
+    assert found == {os.path.join("nodes", "host", "errors.py"): 2, os.path.join("nodes", "host", "single_copy.py"): 1}

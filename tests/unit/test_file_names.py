@@ -149,7 +149,7 @@ def test_bad_or_missing_names(tree, name, status):
     with pytest.raises(fn.QueryRefused) as e:
         _find(name, tree["roots"])
     assert e.value.status == status
-    assert str(e.value).startswith("[Precision LoRA]")
+    assert str(e.value).startswith("metadata: ")  # plain: the route's answer adds the pack's prefix (lookup)
 
 
 def test_a_directory_named_like_a_lora_is_not_found(tree):

@@ -50,7 +50,7 @@ def test_re2_refuses_what_it_cannot_match_in_linear_time_and_says_why():
 def test_without_re2_patterns_outside_the_bounded_subset_are_refused(without_re2, pattern, why):
     """D2 fallback: no google-re2 in a user's install → the pattern is refused, naming it and the remedy."""
     assert regex.engine() == "re-bounded"
-    with pytest.raises(ValueError, match=rf"\[Precision LoRA\] include regex .* {why}.*pip install google-re2"):
+    with pytest.raises(ValueError, match=rf"^include regex .* {why}.*pip install google-re2"):
         targets.select_targets(PATHS, "flux1", "none", include=pattern)
 
 
