@@ -26,7 +26,7 @@ import pure_packages  # noqa: E402  (the pure packages by their short names)
 
 pure_packages.install()
 from lora.config import LoRAConfig  # noqa: E402
-from lora.layer import LoRAAdapter, lora_linear  # noqa: E402
+from lora.lowrank import LoRAAdapter, lora_linear  # noqa: E402
 
 RHOS = (1e-3, 3e-3, 1e-2)
 PATHS = ("plain_bf16", "fp32_delta_rounded_base", "bf16_merge", "fp32_accumulation")

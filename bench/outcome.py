@@ -47,7 +47,8 @@ from attention.config import default_scale  # noqa: E402
 from attention.stable import StableOptions, stable_attention  # noqa: E402
 from attention.stats import measure_call  # noqa: E402
 from lora.config import LoRAConfig  # noqa: E402
-from lora.layer import LoRASet, lora_linear  # noqa: E402
+from lora.layer import LoRASet  # noqa: E402
+from lora.lowrank import lora_linear  # noqa: E402
 
 FULL = {"dim": 64, "heads": 4, "blocks": 2, "tokens": 16, "batch": 8, "train": 128, "test": 32, "steps": 200,
         "rank": 4, "rho": 2e-3, "lrs": (1e-4, 1e-3)}

@@ -2,7 +2,7 @@
 
 1. LoRA delta survival vs rms(ΔW)/rms(W) and rank, for a bf16 merge, a bf16 add of the bf16 delta, the
    fp32 delta added to the rounded base output, and the pack's fp32 unmerged layer
-   (``probe.survival.delta_survival``, which runs ``lora.layer.lora_linear``).
+   (``probe.survival.delta_survival``, which runs ``lora.lowrank.lora_linear``).
 2. Softmax scale: entropy / ln N and KL(softmax(S) ‖ softmax(bf16(S))) vs the multiplier of 1/sqrt(d)
    (q, k ~ N(0, 1), d = 128), and rows whose bf16 logits tie at the max.
 3. Biased rounding of Ō = P̄V: bias/MAE of emulated low-precision attention (``attention.stable``'s
@@ -30,7 +30,7 @@ pure_packages.install()
 from attention.config import default_scale  # noqa: E402
 from attention.stable import TIE_TOLERANCE, StableOptions, stable_forward  # noqa: E402
 from lora.config import LoRAConfig  # noqa: E402
-from lora.layer import LoRAAdapter  # noqa: E402
+from lora.lowrank import LoRAAdapter  # noqa: E402
 from probe.survival import PATHS, delta_survival  # noqa: E402
 
 FULL = {"width": 3072, "tokens": 256, "ranks": (4, 16, 64), "rhos": (1e-3, 3e-3, 1e-2, 3e-2),

@@ -18,7 +18,7 @@ names are the keys ComfyUI's stock loader reads (``comfy/weight_adapter/lokr.py`
 
 Dtype contract (as ``LoRAAdapter``): parameters in ``param_dtype`` (fp32 default), always computed in fp32 with
 autocast off; with ``fp32_accumulation`` the delta is added to the fp32 base output and the sum is rounded
-once (``lora.layer.lora_linear``); without it the delta is computed and added in the model dtype. The
+once (``lora.lowrank.lora_linear``); without it the delta is computed and added in the model dtype. The
 strength (``multiplier``) scales the delta, as stock ComfyUI's ``strength`` does. One factor is zero at init
 (the delta is then exactly zero and the layer returns the base output bit for bit). Only module dropout
 applies (element and rank dropout are LoRA's; ``LoRAConfig`` rejects them for these adapters).

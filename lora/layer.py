@@ -1,4 +1,4 @@
-"""``LoRASet``: the adapters of one LoRA keyed by module path; re-exports the layer numerics of ``lora.lowrank``.
+"""``LoRASet``: the adapters of one LoRA keyed by module path (the layer numerics are ``lora.lowrank``'s).
 
 The adapter kinds and their dtype contract: ``lora.lowrank`` (LoRA, and ``lora_linear``, the sum every kind
 goes through) and ``lora.adapters`` (LoKr, LoHa, DoRA).
@@ -13,9 +13,7 @@ from torch import nn
 from .adapters import make_adapter
 from .config import LoRAConfig
 from .locon import LoConAdapter, conv_width
-from .lowrank import DropoutRNG, LoRAAdapter, lora_linear
-
-__all__ = ["DropoutRNG", "LoRAAdapter", "LoRASet", "lora_linear"]
+from .lowrank import DropoutRNG, LoRAAdapter
 
 
 def _module_key(path: str) -> str:

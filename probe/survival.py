@@ -10,7 +10,7 @@ Paths:
 - ``merge``: ΔW merged into the bf16 weight with round-to-nearest (ComfyUI's merged inference).
 - ``add_bf16``: the delta rounded to bf16 and added in bf16 to the rounded base output (the source write-up).
 - ``add_rounded``: the fp32 delta added to the already rounded base output, rounded once.
-- ``fp32_unmerged``: this pack's fp32-accumulating layer (``lora.layer.lora_linear``): base and delta
+- ``fp32_unmerged``: this pack's fp32-accumulating layer (``lora.lowrank.lora_linear``): base and delta
   summed in fp32 before the one rounding.
 
 Pure torch; never imports ComfyUI.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..lora.layer import LoRAAdapter, lora_linear
+from ..lora.lowrank import LoRAAdapter, lora_linear
 
 PATHS = ("merge", "add_bf16", "add_rounded", "fp32_unmerged")
 

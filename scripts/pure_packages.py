@@ -17,7 +17,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACK = "precision_lora_pack"
-PURE = ("attention", "training", "lora", "probe")
+PURE = ("attention", "training", "lora", "probe", "data")
 
 
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):

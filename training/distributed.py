@@ -4,7 +4,7 @@ Every rank holds the whole (frozen) base model and the same LoRA. Each step ever
 global batch's randomness (data order, noise, timesteps) from the same seeded generator, so the generators
 never diverge, and computes the forward and backward of its own contiguous share of the rows only
 (``rows``). LoRA dropout masks follow the same rule inside the layers: each is drawn for the whole global
-batch and the rank keeps its rows (``lora.layer.DropoutRNG.global_rows``); a rank that gets no row of a
+batch and the rank keeps its rows (``lora.lowrank.DropoutRNG.global_rows``); a rank that gets no row of a
 group takes the dropout generators' state from the last rank (``from_last``), which always has one. ``reduce`` then sums the LoRA gradients and the loss parts over the ranks, so every rank
 applies the same update: the gradient of the global batch, as one process would have computed it, up to
 the order of fp32 additions (one process sums all rows inside one matmul; here each rank sums its rows and

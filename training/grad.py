@@ -176,7 +176,7 @@ def _prepare_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class RNGState(Protocol):
-    """Explicit generators a block draws from (``lora.layer.DropoutRNG``)."""
+    """Explicit generators a block draws from (``lora.lowrank.DropoutRNG``)."""
 
     def get_state(self) -> Any: ...
 

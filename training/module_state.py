@@ -37,7 +37,7 @@ def dropout_rng(module: nn.Module) -> Any:
 
 def global_rows(module: nn.Module, start: int, stop: int, total: int) -> Any:
     """Context: the module's dropout masks are drawn for ``total`` rows and rows ``start:stop`` applied
-    (``lora.layer.DropoutRNG.global_rows``); nothing for a module without one."""
+    (``lora.lowrank.DropoutRNG.global_rows``); nothing for a module without one."""
     rng = getattr(module, "rng", None)
     return rng.global_rows(start, stop, total) if hasattr(rng, "global_rows") else contextlib.nullcontext()
 

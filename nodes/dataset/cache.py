@@ -5,7 +5,7 @@ and one CONDITIONING per image, the inputs of Train LoRA), encoded by the same V
 (``cache_glue.py``). Each latent and each caption's text-encoder output is kept in
 ``<base>/cache/precision_lora/dataset/{latents,text}/<sha256>.safetensors``, keyed by the image's pixels
 (hence its resolution) and the VAE's identity, or by the caption, its tokens and the text encoder's identity
-(``training.encode_cache``). A later run, in any workflow and after a server restart, reads the entry
+(``data.encode_cache``). A later run, in any workflow and after a server restart, reads the entry
 instead of encoding; a changed image, caption, resolution or encoder has another key. A file that does not
 verify is encoded again and overwritten, never used. The report says how many items were encoded and how
 many came from the cache.
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ...training.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
+from ...data.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
 from . import cache_glue as glue
-from .frames import frames_problem, vae_family, vae_frame_step
+from ...data.frames import frames_problem, vae_family, vae_frame_step
 from ..checks.gate import PrecisionNode
 from ..host import page
 from ..host.comfy_io import io, ui

@@ -5,7 +5,7 @@ The encode calls are exactly those of ComfyUI's MakeTrainingDataset (``comfy_ext
 per caption, so a cached result equals the stock node's result for the same inputs.
 
 Identity of an encoder (``vae_identity`` / ``clip_identity``): its module's weights through
-``training.encode_cache.model_identity`` (weights a loaded ModelPatcher patched in place are read from the
+``data.encode_cache.model_identity`` (weights a loaded ModelPatcher patched in place are read from the
 patcher's backup, so a model loaded with a LoRA applied has the same identity as before loading), the
 patcher's patches (LoRAs on the text encoder), what changes the output without touching weights (CLIP skip
 ``layer_idx``, tokenizer options, compute device and dtype) and the ComfyUI and torch versions.
@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ...training.encode_cache import model_identity
+from ...data.encode_cache import model_identity
 from ..host.comfy_compat import comfyui_version
 
 log = logging.getLogger(__name__)

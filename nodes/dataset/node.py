@@ -17,8 +17,8 @@ import folder_paths
 
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
-from .files import MISSING_CAPTION_CHOICES, DatasetError, folder_signature, load_dataset
-from .image_reading import ALPHA_CHOICES, ANIMATED_CHOICES, EXTENSIONS
+from ...data.files import MISSING_CAPTION_CHOICES, DatasetError, folder_signature, load_dataset
+from ...data.image_reading import ALPHA_CHOICES, ANIMATED_CHOICES, EXTENSIONS
 
 log = logging.getLogger(__name__)
 NODE = "PrecisionLoadImageDataset"

@@ -15,10 +15,10 @@ import folder_paths
 
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
-from .files import MISSING_CAPTION_CHOICES, DatasetError, folder_signature
-from .frames import FRAME_RULES
+from ...data.files import MISSING_CAPTION_CHOICES, DatasetError, folder_signature
+from ...data.frames import FRAME_RULES
 from .node import dataset_root
-from .video_files import STILL_EXTENSIONS, VIDEO_EXTENSIONS, load_clips
+from ...data.video_files import STILL_EXTENSIONS, VIDEO_EXTENSIONS, load_clips
 
 log = logging.getLogger(__name__)
 NODE = "PrecisionLoadVideoDataset"

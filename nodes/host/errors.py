@@ -21,8 +21,8 @@ from typing import Iterator
 
 PREFIX = "[Precision LoRA] "
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PRODUCT = tuple(os.path.join(ROOT, d) + os.sep for d in ("attention", "training", "lora", "probe", "nodes",
-                                                         "runner", "demo"))
+PRODUCT = tuple(os.path.join(ROOT, d) + os.sep for d in ("attention", "training", "lora", "probe", "data",
+                                                         "nodes", "runner", "demo"))
 PACKAGE = __name__.removesuffix(".nodes.host.errors")  # the pack's package as ComfyUI imported it
 
 

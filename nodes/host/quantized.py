@@ -15,7 +15,7 @@ into the weight it multiplies with; the pack's LoRA forward replaces that ``forw
 
 GGUF weights (city96's ComfyUI-GGUF ``GGMLTensor``) are a fourth form: its layers dequantize in their own
 ``cast_bias_weight`` (``nodes.host.gguf``). ``layer_weight`` returns the dequantized weight for all four, so the
-LoRA delta is added in fp32 to the base output computed on it (``lora.layer.lora_linear``); see docs/quantized.md.
+LoRA delta is added in fp32 to the base output computed on it (``lora.lowrank.lora_linear``); see docs/quantized.md.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ import comfy.ops
 import torch
 
 from ...lora.config import LoRAConfig
-from ...lora.layer import LoRAAdapter, LoRASet, lora_linear
+from ...lora.layer import LoRASet
+from ...lora.lowrank import LoRAAdapter, lora_linear
 from ...lora.linear import recomputable
 from ...lora.locon import ConvGeometry, LoConAdapter, lora_conv2d
 from ...lora.file import LoRAFactors, default_key_style, lora_metadata, lora_state_dict, read_lora_file, save_lora_file

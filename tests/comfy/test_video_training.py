@@ -183,7 +183,7 @@ def write_video(path: str, frames: torch.Tensor, fps: int = 8) -> None:
 def test_the_video_folder_loader_decodes_as_comfyui_and_cuts_to_the_rule(pack_module, tmp_path):
     from comfy_api.latest import InputImpl
 
-    files = pack_module("nodes.dataset.video_files")
+    files = pack_module("data.video_files")
     decode = pack_module("nodes.dataset.video_node").decode_video
     frames = clip_frames(14, 32, seed=4)
     write_video(str(tmp_path / "walk.mp4"), frames)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lora.config import LoRAConfig
-from lora.layer import LoRAAdapter, lora_linear
+from lora.lowrank import LoRAAdapter, lora_linear
 from lora.linear import base_linear_fp32, upcast_linear
 
 N_IN, N_OUT, RANK = 96, 80, 8

@@ -11,7 +11,9 @@ from lora.adapter_files import build_adapter, parse_adapter_file
 from lora.adapters import DoRAAdapter, LoHaAdapter, LoKrAdapter, lokr_factors, make_adapter
 from lora.config import LoRAConfig
 from lora.file import lora_state_dict
-from lora.layer import DropoutRNG, LoRASet, lora_linear
+from lora.layer import LoRASet
+
+from lora.lowrank import DropoutRNG, lora_linear
 
 KINDS = ("lokr", "loha", "dora")
 EPS = torch.finfo(torch.float32).eps

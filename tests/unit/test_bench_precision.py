@@ -11,7 +11,7 @@ import torch
 
 from attention.stats import measure_call
 from lora.config import LoRAConfig
-from lora.layer import LoRAAdapter
+from lora.lowrank import LoRAAdapter
 from probe.attention import measure_attention
 from probe.survival import delta_survival, summarize
 

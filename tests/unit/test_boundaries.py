@@ -31,10 +31,26 @@ def _run(code: str) -> str:
     return out.stdout
 
 
-def test_attention_and_training_import_no_comfyui_module():
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import pure_packages  # noqa: E402
+
+# Top-level folders of Python code that may import ComfyUI (the nodes and what runs them) or are not the product.
+COMFY_SIDE = {"nodes", "runner", "demo"}
+TOOLING = {"tests", "bench", "scripts", "workflows"}
+
+
+def test_every_top_level_folder_is_pure_or_named_as_comfyui_side():
+    """A new folder of product code is covered by the tests below (pure) or named here as ComfyUI's side."""
+    folders = {d for d in os.listdir(ROOT) if not d.startswith(".") and os.path.isdir(os.path.join(ROOT, d))
+               and any(f.endswith(".py") for f in os.listdir(os.path.join(ROOT, d)))}
+    assert folders - TOOLING == set(pure_packages.PURE) | COMFY_SIDE, folders
+
+
+def test_pure_packages_import_no_comfyui_module():
     out = _run(PROBE.format(root=ROOT, comfy=set(COMFY_MODULES)))
     loaded = out.split("LOADED:")[1].splitlines()[0].split(",")
-    assert {"attention", "training", "lora", "probe", "lora.file", "probe.survival"} <= set(loaded)
+    assert {"attention", "training", "lora", "probe", "data", "lora.file", "probe.survival", "data.files",
+            "data.video_files", "data.encode_cache"} <= set(loaded)
     assert out.split("COMFY:")[1].strip() == ""
 
 
@@ -43,7 +59,7 @@ def test_pure_sources_have_no_comfyui_import_statement():
 
     pattern = re.compile(r"^\s*(import|from)\s+(" + "|".join(COMFY_MODULES) + r")\b", re.M)
     offenders = []
-    for pkg in ("attention", "training", "lora", "probe"):
+    for pkg in pure_packages.PURE:
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
             for name in files:
                 if name.endswith(".py"):
@@ -67,7 +83,7 @@ def test_the_message_prefix_is_written_where_messages_leave_the_pack():
     messages. The one other literal: the second-copy message, logged before the pack registers (and read by
     scripts/comfy_bootstrap.py, which loads that file by its path)."""
     found = {}
-    for top in ("attention", "training", "lora", "probe", "nodes", "runner", "demo"):
+    for top in sorted({*pure_packages.PURE, *COMFY_SIDE}):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for name in files:
                 if name.endswith(".py"):

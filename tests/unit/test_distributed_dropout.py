@@ -1,7 +1,7 @@
 """Data-parallel training with LoRA dropout: 2 gloo ranks under torchrun equal one process.
 
 Each rank draws every dropout mask (element, rank and module dropout) for the whole global batch, from the
-same generator state as one process, and applies its own rows (``lora.layer.DropoutRNG.global_rows``); a
+same generator state as one process, and applies its own rows (``lora.lowrank.DropoutRNG.global_rows``); a
 rank that gets no row of a small group takes the dropout generators from the last rank. So the ranks use
 exactly the masks of one process and the comparison has the tolerance of ``test_distributed.py`` (rtol
 1e-5 on the losses, atol 1e-5 on the LoRA; the only difference left is the order of the fp32 sums of the
@@ -38,7 +38,8 @@ if __name__ == "__main__":  # under torchrun: make the pure packages importable 
 
     pure_packages.install()
 from lora.config import LoRAConfig  # noqa: E402
-from lora.layer import DropoutRNG, LoRASet, lora_linear  # noqa: E402
+from lora.layer import LoRASet  # noqa: E402
+from lora.lowrank import DropoutRNG, lora_linear  # noqa: E402
 from training import distributed  # noqa: E402
 from training.checkpoint import load_state, save_state  # noqa: E402
 from training.grad import checkpoint_blocks  # noqa: E402

@@ -1,4 +1,4 @@
-"""training/encode_cache.py: model identities, exact conditioning round trips, verified entry files."""
+"""data/encode_cache.py: model identities, exact conditioning round trips, verified entry files."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from training.encode_cache import (BLOCK_BYTES, BadEntry, EntryStore, NotCacheable, model_identity,
+from data.encode_cache import (BLOCK_BYTES, BadEntry, EntryStore, NotCacheable, model_identity,
                                    pack_conditioning, unpack_conditioning)
 
 

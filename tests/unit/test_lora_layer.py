@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from bench.lora import PATHS, gain_table
 from lora.config import LoRAConfig, lora_scale
-from lora.layer import LoRAAdapter, LoRASet, lora_linear
+from lora.layer import LoRASet
+from lora.lowrank import LoRAAdapter, lora_linear
 from lora.linear import base_linear_fp32
 
 

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .files import atomic_write
+from ..training.files import atomic_write
 
 FORMAT = "precision_lora.encode_cache/1"
 FULL_BYTES = 1 << 16  # tensors up to this size are hashed whole
