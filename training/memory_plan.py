@@ -5,7 +5,8 @@ estimates it at real size (``StepCost``: the tracked peak, and the weight bytes 
 execution order), with and without gradient checkpointing. A plan is (checkpointing, block inputs in host
 memory, blocks swapped);
 its estimate is the tracked peak minus the swapped blocks' weights plus the ring of device slots the swap
-streams them through (``training.swap``: ``RING_SLOTS`` buffers of the largest block), plus what no tensor
+streams them through (``training.swap``: ``RING_SLOTS`` buffers, one for a single swapped block, of the largest
+swapped block), plus what no tensor
 tracker sees, on its own line: the CUDA context, cuBLAS/attention workspaces, and a fragmentation margin.
 
 ``choose`` takes the cheapest plan within a budget, cheapest meaning least extra work per step: no
@@ -40,6 +41,42 @@ class StepCost:
     lora: int = 0
     optimizer: int = 0
     activations: int = 0
+    lora_numel: int = 0  # the LoRA's parameter count (its fp32 copies on the host: the NaN guard, EMA on the CPU)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """What a run keeps in host (system) memory for its plan, in bytes, by part: the checkpointed blocks'
+    inputs waiting for backward in pinned memory (``block_inputs``: what the offload took off the device),
+    the host side of the swapped blocks, the EMA shadow on the CPU, the NaN guard's snapshot (fp32 values of
+    the LoRA, its EMA and the optimizer state, CPU copies), and the run's dataset as ComfyUI hands it over."""
+
+    block_inputs: int = 0
+    swapped: int = 0
+    ema: int = 0
+    guard: int = 0
+    dataset: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.block_inputs + self.swapped + self.ema + self.guard + self.dataset
+
+    def describe(self) -> str:
+        """"swapped blocks 6.01 GiB, NaN-guard snapshot 0.3 GiB, ..." (the parts that are not zero)."""
+        parts = [("block inputs", self.block_inputs), ("swapped blocks", self.swapped), ("EMA", self.ema),
+                 ("NaN-guard snapshot", self.guard), ("dataset", self.dataset)]
+        return ", ".join(f"{name} {size_text(n)}" for name, n in parts if n) or "nothing"
+
+
+def host_cost(plan: Plan, cost: StepCost, ckpt: StepCost | None = None, ema: bool = False, ema_on_cpu: bool = False,
+              dataset: int = 0) -> HostCost:
+    """The host side of ``plan`` (``cost``: the step it was estimated from; ``ckpt``: the checkpointed step
+    without the block inputs in host memory, for an offload plan)."""
+    inputs = max(0, ckpt.activations - cost.activations) if plan.offload_inputs and ckpt is not None else 0
+    fp32 = 4 * cost.lora_numel
+    return HostCost(block_inputs=inputs, swapped=sum(cost.blocks[:plan.swap_blocks]),
+                    ema=fp32 if ema and ema_on_cpu else 0,
+                    guard=fp32 * (2 if ema else 1) + cost.optimizer, dataset=dataset)
 
 
 @dataclass(frozen=True)
@@ -66,6 +103,14 @@ class Plan:
 
 def _gib(n: float) -> float:
     return round(n / GIB, 2)
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes as the reports write a host-memory figure: "1.25 GiB", "3.4 MiB" below 0.01 GiB, "5.2 KiB"
+    below 0.1 MiB."""
+    if n >= 0.01 * GIB:
+        return f"{_gib(n):g} GiB"
+    return f"{round(n / 2**20, 1):g} MiB" if n >= 0.1 * 2**20 else f"{round(n / 1024, 1):g} KiB"
 
 
 BUDGET_HELP = "give 0 (or off), auto (the training device's free memory), or a positive number of GiB such as 12"
@@ -101,7 +146,8 @@ def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0, offload_inpu
     if not 0 <= swap_blocks <= len(blocks):
         raise ValueError(f"memory plan: swap_blocks={swap_blocks}: the model has {len(blocks)} blocks")
     swapped = sum(blocks[:swap_blocks])
-    ring = RING_SLOTS * max(blocks) if swap_blocks else 0
+    # training.swap's ring: min(RING_SLOTS, swapped) slots, each the size of the largest swapped block
+    ring = min(RING_SLOTS, swap_blocks) * max(blocks[:swap_blocks]) if swap_blocks else 0
     tracked = cost.peak - swapped + ring
     overhead = (CUDA_CONTEXT_GIB + WORKSPACE_GIB) * GIB + FRAGMENTATION * tracked
     return Plan(checkpointing, swap_blocks, len(blocks), _gib(tracked + overhead), _gib(tracked),

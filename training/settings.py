@@ -70,6 +70,7 @@ class TrainSettings:
     swap_blocks: int = 0            # frozen blocks streamed from host memory (training.swap); 0 = off
     offload_block_inputs: bool = False  # checkpointed blocks' inputs wait for backward in host memory
     vram_budget_gb: str = "0"       # "0"/"off", "auto" or GiB: the memory planner picks checkpointing + swap_blocks
+    ram_budget_gb: str = "auto"     # with a VRAM plan: host memory it may keep ("auto": available now; "0"/"off": unchecked)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,15 +121,23 @@ class TrainSettings:
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
         self._validate_ema()
-        try:
-            parse_budget(self.vram_budget_gb)
-        except ValueError as exc:
-            raise _err("vram_budget_gb", self.vram_budget_gb, str(exc)) from None
+        for name in ("vram_budget_gb", "ram_budget_gb"):
+            try:
+                parse_budget(getattr(self, name))
+            except ValueError as exc:
+                raise _err(name, getattr(self, name), str(exc).replace("the training device's free memory",
+                           "the training device's free memory" if name == "vram_budget_gb" else
+                           "the memory available on this machine")) from None
 
     @property
     def budget(self) -> float | str | None:
         """``vram_budget_gb`` parsed: None (off), "auto" or GiB (``training.memory_plan.parse_budget``)."""
         return parse_budget(self.vram_budget_gb)
+
+    @property
+    def ram_budget(self) -> float | str | None:
+        """``ram_budget_gb`` parsed: None (unchecked), "auto" or GiB."""
+        return parse_budget(self.ram_budget_gb)
 
     def _validate_ema(self) -> None:
         if not 0.0 <= self.ema_decay < 1.0:

@@ -31,7 +31,8 @@ import torch
 
 import comfy.model_management as mm
 
-from ...training.memory_plan import CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, StepCost, choose
+from ...training.memory_plan import (CUDA_CONTEXT_GIB, GIB, WORKSPACE_GIB, HostCost, Plan, StepCost, choose,
+                                     host_cost, size_text)
 from ...training.settings import TrainSettings
 from ..host import gguf
 from ..lora.glue import get_lora_set
@@ -92,9 +93,62 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
         line += " (gradient_checkpointing on kept: only plans with checkpointing considered)"
     if cfg.offload_block_inputs:
         line += " (offload_block_inputs on kept)"
+    line += _ram_check(cfg, plan, host_side(cfg, plan, cost, latents, conditioning))
     planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks,
                                   offload_block_inputs=plan.offload_inputs)
     return planned, line + "".join(notes)
+
+
+def host_side(cfg: TrainSettings, plan: Plan, cost: Callable[..., StepCost], latents: list,
+              conditioning: list) -> HostCost:
+    """What ``plan`` keeps in host memory (``training.memory_plan.host_cost``), from the estimates ``cost``
+    made (an offload plan's block inputs: what the offload took off the device) and this run's data."""
+    step = cost(plan.checkpointing, offload=plan.offload_inputs)
+    return host_cost(plan, step, cost(True) if plan.offload_inputs else None, ema=cfg.ema_decay > 0,
+                     ema_on_cpu=cfg.ema_on_cpu, dataset=_tensor_bytes(latents) + _tensor_bytes(conditioning))
+
+
+def available_ram_gib() -> float:
+    """What ``ram_budget_gb`` "auto" means: the memory this machine has available now (``psutil``), in GiB."""
+    import psutil
+
+    return psutil.virtual_memory().available / GIB
+
+
+def _ram_check(cfg: TrainSettings, plan: Plan, host: HostCost) -> str:
+    """The report's host-memory part ("; host memory est. ..."); ValueError with both figures when the plan's
+    host side is over ``ram_budget_gb``."""
+    ram = cfg.ram_budget
+    est = size_text(host.total)
+    if ram is None:
+        return f"; host memory est. {est} ({host.describe()}; ram_budget_gb off)"
+    auto = ram == "auto"
+    if auto:
+        ram = round(available_ram_gib(), 2)
+    what = f"{ram:g} GiB" + (" (auto: available on this machine now)" if auto else "")
+    if host.total > ram * GIB:
+        raise ValueError(
+            f"PrecisionTrainLoRA: input 'ram_budget_gb'={cfg.ram_budget_gb!r} of PrecisionTrainSettings: the plan "
+            f"for vram_budget_gb={cfg.vram_budget_gb!r} ({plan.describe()}, est. {plan.peak_gib} GiB of VRAM) keeps "
+            f"est. {est} in host memory ({host.describe()}), over the {what} ram_budget_gb allows; raise "
+            "vram_budget_gb (fewer blocks swapped) or ram_budget_gb, lower the resolution, rank or batch size, turn "
+            "ema_on_cpu off, or set ram_budget_gb to 0 to train without this check")
+    return f"; host memory est. {est} of {what} ({host.describe()})"
+
+
+def _tensor_bytes(value: Any, depth: int = 0) -> int:
+    """Bytes of the tensors in ``value`` (LATENT dicts, CONDITIONING lists and their option dicts)."""
+    if isinstance(value, torch.Tensor):
+        if getattr(value, "is_nested", False):
+            return sum(t.numel() * t.element_size() for t in value.unbind())
+        return value.numel() * value.element_size()
+    if depth > 6:
+        return 0
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, depth + 1) for v in value)
+    return 0
 
 
 PLANNED = ("gradient_checkpointing", "offload_block_inputs", "swap_blocks")  # what a plan decides

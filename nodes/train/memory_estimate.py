@@ -142,6 +142,7 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
     return {"peak": mem.peak, "by_kind": mem.by_kind, "largest_saved": mem.largest_saved,
             "matmul_flops": int(flops.get_total_flops()), "attention_flops": int(attention),
             "lora_bytes": sum(p.numel() * p.element_size() for p in lora_set.parameters()),
+            "lora_numel": sum(p.numel() for p in lora_set.parameters()),
             "blocks": block_bytes(dm)}
 
 
@@ -158,4 +159,4 @@ def step_cost(run: dict) -> StepCost:
     return StepCost(peak=run["peak"], blocks=tuple(run["blocks"]),
                     weights=kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"],
                     lora=run["lora_bytes"] + kinds.get("Gradient", 0), optimizer=kinds.get("Optstate", 0),
-                    activations=kinds.get("Activation", 0) + kinds.get("Temp", 0))
+                    activations=kinds.get("Activation", 0) + kinds.get("Temp", 0), lora_numel=run.get("lora_numel", 0))

@@ -135,6 +135,13 @@ def _ema_inputs() -> list:
                        tooltip="; ".join(f"{k}: {v}" for k, v in EMA_SAVE.items())),
         io.Boolean.Input("ema_preview", default=DEFAULTS.ema_preview, optional=True,
                          tooltip="Previews sample with the EMA weights instead of the trained ones."),
+        # last, so the widget values of workflows saved before it keep their places
+        io.String.Input("ram_budget_gb", default=DEFAULTS.ram_budget_gb, optional=True,
+                        tooltip="With vram_budget_gb set: the host (system) memory the plan may keep, in GiB (e.g. "
+                                "32), 'auto' (what this machine has available when the run starts) or 0 / off. The "
+                                "plan's host side (block inputs in pinned memory, swapped blocks, EMA on the CPU, "
+                                "the NaN guard's snapshot, the dataset) is estimated beside its VRAM; a plan over "
+                                "this is refused with both figures instead of thrashing the machine. docs/memory.md."),
     ]
 
 

@@ -26,5 +26,5 @@ def test_first_three_channels_normalised_and_upscaled(preview):
 def test_five_d_latents_use_the_first_frame_and_bad_shapes_fail(preview):
     lat = torch.randn(1, 16, 3, 2, 2)
     assert torch.equal(preview(lat), preview(lat[:, :, 0]))
-    with pytest.raises(ValueError, match=r"\[Precision LoRA\] PrecisionDemoPreview: expected a 4-D or 5-D latent"):
+    with pytest.raises(ValueError, match=r"^PrecisionDemoPreview: expected a 4-D or 5-D latent"):
         preview(torch.zeros(3, 4))

@@ -77,7 +77,8 @@ def test_plans_follow_the_budget_and_estimates_are_cached(pack_module, budget, o
     assert said == [f"vram_budget_gb: estimating this model's training step at its real size on the CPU ({c}) "
                     "before loading it ..." for c in ("checkpointing", "no checkpointing")]
     assert (planned.gradient_checkpointing, planned.swap_blocks) == (False, 0)
-    assert line.startswith("vram budget 8 GiB: bf16 base, no checkpointing: est. 0.") and line.endswith(" GiB of 8"), line
+    assert line.startswith("vram budget 8 GiB: bf16 base, no checkpointing: est. 0.") and " GiB of 8; host memory est. " \
+        in line, line
     assert calls == [True, False]  # checkpointed first (choose's order), then the plain step
     again, line2 = budget.plan_budget(model, TrainSettings(vram_budget_gb="8.0"), latents, conds, say=said.append)
     assert calls == [True, False] and line2 == line and again.vram_budget_gb == "8.0"  # from the cache
@@ -103,7 +104,7 @@ def test_offload_block_inputs_on_is_kept_and_estimated_with_it(pack_module, budg
     settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8", gradient_checkpointing=True,
                                                               offload_block_inputs=True)
     planned, line = budget.plan_budget(model, settings, latents, conds)
-    assert seen == [(True, True)]
+    assert seen == [(True, True), (True, False)]  # the plan, then what its block inputs took off the device
     assert planned.offload_block_inputs and planned.gradient_checkpointing and planned.swap_blocks == 0
     assert "bf16 base, checkpointing, block inputs in host memory: est. " in line, line
     assert "(offload_block_inputs on kept)" in line
@@ -164,3 +165,40 @@ def test_auto_on_cuda_is_free_plus_what_comfyui_can_free(pack_module, budget, on
     assert line.startswith("vram budget 14.1 GiB (auto: free on the device + what ComfyUI can free): bf16 base, "
                            "no checkpointing: est. 0."), line
     assert (planned.gradient_checkpointing, planned.swap_blocks) == (False, 0)
+
+
+def test_the_plans_host_side_is_reported_and_a_plan_over_ram_budget_gb_is_refused(pack_module, budget, one_thread,
+                                                                                   monkeypatch):
+    """#39: with a VRAM plan the report gives the host memory it keeps beside its VRAM (here the block inputs
+    the offload took off the device, the NaN guard's snapshot, the dataset); ram_budget_gb (GiB; "auto": what
+    the machine has available; "0": unchecked) refuses a plan over it with both figures."""
+    model = _attached(pack_module, _model(pack_module))
+    latents, conds = _run_inputs(pack_module, model)
+    TrainSettings = pack_module("training.settings").TrainSettings
+    offload = TrainSettings(vram_budget_gb="64", gradient_checkpointing=True, offload_block_inputs=True,
+                            ram_budget_gb="64")
+    planned, line = budget.plan_budget(model, offload, latents, conds)
+    assert planned.offload_block_inputs and planned.swap_blocks == 0, line
+    costs = {k[-2:]: v[0] for k, v in budget._COSTS.items()}
+    # what the offload took off the device (on this CPU "device" nothing leaves it: no block inputs part)
+    moved = max(0, costs[(True, False)].activations - costs[(True, True)].activations)
+    lora = costs[(True, True)]
+    data = latents[0]["samples"].numel() * 4 + sum(
+        t.numel() * t.element_size() for t in (conds[0][0][0], *[v for v in conds[0][0][1].values()
+                                                                 if isinstance(v, torch.Tensor)]))
+    assert budget._tensor_bytes(latents) + budget._tensor_bytes(conds) == data
+    host = (f"block inputs {budget.size_text(moved)}, " if moved else "") + "NaN-guard snapshot " \
+        f"{budget.size_text(4 * lora.lora_numel + lora.optimizer)}, dataset {budget.size_text(data)}"
+    assert line.endswith(f" of 64 GiB ({host})"), line
+    off = budget.plan_budget(model, dataclasses.replace(offload, ram_budget_gb="0"), latents, conds)[1]
+    assert off.endswith(f" ({host}; ram_budget_gb off)"), off
+    with pytest.raises(ValueError) as refused:
+        budget.plan_budget(model, dataclasses.replace(offload, ram_budget_gb="0.0001"), latents, conds)
+    msg = str(refused.value)
+    assert msg.startswith("PrecisionTrainLoRA: input 'ram_budget_gb'='0.0001' of PrecisionTrainSettings: the plan for "
+                          "vram_budget_gb='64' (checkpointing, block inputs in host memory, est. 0."), msg
+    assert " GiB of VRAM) keeps est. " in msg and f" in host memory ({host}), over the 0.0001 GiB ram_budget_gb " \
+        "allows; raise vram_budget_gb" in msg, msg
+    monkeypatch.setattr(budget, "available_ram_gib", lambda: 0.0002)
+    with pytest.raises(ValueError, match=r"over the 0 GiB \(auto: available on this machine now\) ram_budget_gb "):
+        budget.plan_budget(model, dataclasses.replace(offload, ram_budget_gb="auto"), latents, conds)

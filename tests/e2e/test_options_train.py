@@ -466,8 +466,8 @@ def test_vram_budget_plans_refuses_and_says_what_auto_does(opts):
     assert json.loads(saved["fit"]["precision_lora_planned"])["swap_blocks"] == {"set": 1, "planned": 0}
     assert "precision_lora_planned" not in saved["auto"]
     assert plans["fit"].startswith("vram budget 4 GiB: fp32 base, checkpointing: est. 0."), plans["fit"]
-    assert plans["fit"].endswith(" GiB of 4 (the plan replaces swap_blocks=1) (gradient_checkpointing on kept: "
-                                 "only plans with checkpointing considered)"), plans["fit"]
+    assert " GiB of 4 (the plan replaces swap_blocks=1) (gradient_checkpointing on kept: only plans with " \
+           "checkpointing considered); host memory est. " in plans["fit"], plans["fit"]
     assert len(opts.steps(entries["fit"], fit_ids["train"])) == 1
     assert plans["auto"] == ("vram budget auto: the training device is cpu, which has no VRAM to plan for; "
                              "gradient_checkpointing=False and swap_blocks=0 run as set")
@@ -479,6 +479,16 @@ def test_vram_budget_plans_refuses_and_says_what_auto_does(opts):
     assert opts.steps(pid, small_ids["train"]) == []  # refused before step 1
     assert not [f for f in os.listdir(opts.path("models", "loras", "options")) if f.startswith("o_vram_small")]
     assert not os.path.exists(opts.path("models", "loras", "o_vram_small"))
+    # a plan whose host side is over ram_budget_gb: refused with both figures before step 1 (#39)
+    ram, ram_ids = train_graph({"vram_budget_gb": "4", "ram_budget_gb": "0.000001"}, name="o_ram_small")
+    pid = opts.queue(ram)
+    message = opts.failure_of(pid)
+    assert "PrecisionTrainLoRA: input 'ram_budget_gb'='0.000001' of PrecisionTrainSettings: the plan for " \
+           "vram_budget_gb='4' (no checkpointing, est. 0." in message and " GiB of VRAM) keeps est. " in message \
+           and " in host memory (NaN-guard snapshot " in message and \
+           "over the 1e-06 GiB ram_budget_gb allows" in message, message
+    assert opts.steps(pid, ram_ids["train"]) == []
+    assert not [f for f in os.listdir(opts.path("models", "loras", "options")) if f.startswith("o_ram_small")]
     for value in ("12GB", "-3"):
         g, ids = train_graph(name="o_vram_bad")
         g.nodes[ids["settings"]]["inputs"]["vram_budget_gb"] = value

@@ -26,7 +26,8 @@ def expected(costs: dict, p: mp.Plan) -> float:
     """A plan's estimate from the cost it was planned on: tracked peak - swapped blocks + the swap's ring."""
     cost = costs[(p.checkpointing, p.offload_inputs)]
     swapped = sum(cost.blocks[:p.swap_blocks])
-    ring = RING_SLOTS * max(cost.blocks) if p.swap_blocks else 0
+    # training.swap allocates min(slots, swapped blocks) slots of the largest swapped block
+    ring = min(RING_SLOTS, p.swap_blocks) * max(cost.blocks[:p.swap_blocks]) if p.swap_blocks else 0
     return estimate_gib(cost.peak - swapped + ring)
 
 
