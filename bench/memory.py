@@ -12,9 +12,10 @@ memory shape of flash/cuDNN attention on a GPU.
 
 What the tracker cannot see is added on its own lines (``overhead_gib``): the CUDA context, cuBLAS and
 attention workspaces, and a fragmentation margin; attention FLOPs (the CPU flash op has no FLOP formula)
-are counted from the calls. Block swap (``--swap-blocks N``) is modelled, not run: the resident weights
-minus N swapped blocks plus two ring slots of the largest block, as ``training.swap`` streams them (at most
-every block but the last, which is not checkpointed).
+are counted from the calls (forward and recomputation as called, backward 2.5x the forward). Block swap
+(``--swap-blocks N``) is modelled, not run: the resident weights minus N swapped blocks plus min(2, N) ring
+slots of the largest swapped block, as ``training.swap`` streams them (at most every block but the last,
+which is not checkpointed).
 ``--base q4_k`` (q8_0, q6_k, q5_k, q5_0, q4_0): a GGUF file of that GGML type as ComfyUI-GGUF's loader holds it
 (its layers, from ../shared/custom_nodes): each weight at its raw blocks' bytes (``training/memory_gguf.py``),
 dequantized per call by those layers inside the tracked step.
@@ -341,7 +342,8 @@ def _print(r: dict) -> None:
           f"targets {r['targets']}")
     if r["plan"] is None:
         smallest = ("without block swap (it cannot stream GGUF weights); use a smaller GGUF type"
-                    if r["base"] in GGUF_BASES else "with every block swapped; use --base fp8")
+                    if r["base"] in GGUF_BASES else "with every block swapped; use "
+                    + ("a smaller rank" if r["base"].startswith("fp8") else "--base fp8"))
         print(f"no plan fits {r['budget_gib']} GiB: the smallest, {r['smallest_gib']} GiB, is {smallest}, a smaller "
               "size or a larger budget")
         return

@@ -129,8 +129,9 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
                 flops = FlopCounterMode(display=False)
                 with flops:  # a first step outside the tracker: FLOPs, attention calls, optimizer state
                     step()
-                # forward + recomputation (counted as called) + backward (twice the forward's)
-                attention = counter.get("flops", 0) + 2 * counter.get("forward", 0)
+                # forward + recomputation (counted as called) + backward: 2.5x the forward's (five matmuls of the
+                # size of the forward's two: dV, dP, dS->dQ, dS->dK and the recomputed scores; FlashAttention 2)
+                attention = counter.get("flops", 0) + int(2.5 * counter.get("forward", 0))
                 if on_second_step is not None:
                     on_second_step()
                 tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
