@@ -1,6 +1,10 @@
 """Regenerate the example workflows (UI format) and their API-format twins with the real ComfyUI frontend.
 
-    .venv/bin/python workflows/build.py [--server http://127.0.0.1:8188] [name ...]
+    PRECISION_LORA_COMFYUI=.hosts/0.3.75/comfyui .hosts/0.3.75/venv/bin/python workflows/build.py \
+        [--server http://127.0.0.1:8188] [name ...]
+
+(ComfyUI 0.3.75's frontend: 0.33.0's frontend 1.49 gives node ids as strings, and the committed workflows keep the
+numbers every supported frontend reads; the build says so if started on a newer one.)
 
 The graphs are described once, below, by node type, widget values *by name*, links by input name and
 canvas positions. The page of a running ComfyUI (started here on tiny demo models unless --server is
@@ -412,6 +416,10 @@ async (spec) => {
     if (!node) throw new Error(`node type ${n.type} is not registered`);
     node.id = n.id;
     app.graph.add(node);
+    if (node.id !== n.id && String(node.id) === String(n.id))
+      throw new Error(`this frontend gives node ids as ${typeof node.id}s; the committed workflows use numbers, which ` +
+        "every supported frontend reads: build them with ComfyUI 0.3.75's (PRECISION_LORA_COMFYUI=" +
+        ".hosts/0.3.75/comfyui .hosts/0.3.75/venv/bin/python workflows/build.py)");
     if (node.id !== n.id) throw new Error(`node ${n.type} got id ${node.id}, wanted ${n.id}`);
     for (const [name, value] of Object.entries(n.widgets)) {
       const w = node.widgets?.find((x) => x.name === name);
