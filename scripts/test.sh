@@ -6,6 +6,7 @@
 # and no pytest arguments but options were given, a third run: the browser tests of the pack's page extensions on
 # ComfyUI 0.33.0 with the newest PyPI frontend (see NEWEST_FRONTEND_TESTS). Exits non-zero on any failure, including
 # "no tests collected" on a host. Each run lists its 25 slowest tests; the last line sums the runs' counts.
+# The runs go side by side in two lanes on a machine with 2+ cores (PRECISION_LORA_JOBS=1: one after another).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -31,29 +32,12 @@ if [ -d tests/js ] && ls tests/js/*.test.mjs >/dev/null 2>&1; then
 fi
 REPORTS="$(mktemp -d)"
 trap 'rm -rf "$REPORTS"' EXIT
-report_files=()
-run_pytest() {  # LABEL ARGS...: one pytest run on the current host; its junit report is REPORTS/LABEL.xml
-  local label="$1" rc
-  shift
-  report_files+=("$REPORTS/$label.xml")
-  set +e
-  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label.xml" --durations=25 "$@"
-  rc=$?
-  set -e
-  if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests on ComfyUI $label: failing"; fi
-  [ $rc -eq 0 ] || status=1
-}
-for host in "${HOSTS[@]}"; do
-  host_vars "$host"
-  if [ "$host" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
-  echo "== pytest on ComfyUI $host ($HOST_COMFY)"
-  run_pytest "$host" "$@"
-done
 
-# The newest frontend (scripts/setup.sh unpacks it into .hosts/frontends/<version>/static; ComfyUI 0.33.0 pins 1.49.6,
-# users who update ComfyUI run the newest): the pack's page extensions there, the loss chart and its controls, the
-# scale display, LoRA info, list refresh, dataset report and previews, templates and node help. Not the real-workflow
-# tests: they test the pack's server side, which the two runs above cover.
+# The runs: one pytest run per host, and the browser tests of the pack's page extensions on ComfyUI 0.33.0 with the
+# newest PyPI frontend (scripts/setup.sh unpacks it into .hosts/frontends/<version>/static; ComfyUI 0.33.0 pins 1.49.6,
+# users who update ComfyUI run the newest): the loss chart and its controls, the scale display, LoRA info, list
+# refresh, dataset report and previews, templates and node help. Not the real-workflow tests: they test the pack's
+# server side, which the host runs cover. That run only when no tests were chosen by hand.
 NEWEST_FRONTEND_TESTS=(
   tests/browser/test_page.py tests/browser/test_node_help_ui.py tests/browser/test_workflows_ui.py
   tests/browser/test_lora_refresh_ui.py tests/browser/test_chart_binding_ui.py tests/browser/test_training_ui.py
@@ -63,16 +47,76 @@ NEWEST_FRONTEND_TESTS=(
 only_options=1
 for arg in "$@"; do case "$arg" in -*) ;; *) only_options=0 ;; esac; done
 frontend="$(readlink "$HOSTS_ROOT/frontends/newest" 2>/dev/null || true)"
+FRONTEND_LABEL="0.33.0+frontend-${frontend:-missing}"
+runs=()
+for host in "${HOSTS[@]}"; do runs+=("$host"); done
 if [[ " ${HOSTS[*]} " == *" 0.33.0 "* ]]; then
   if [ $only_options = 0 ]; then
     echo "[precision-lora] tests chosen by hand: no run on the newest frontend (PRECISION_LORA_FRONTEND=.hosts/frontends/newest/static runs any)"
   else
-    host_vars 0.33.0
-    echo "== pytest on ComfyUI 0.33.0 with the newest frontend, comfyui-frontend-package ${frontend:-(missing)}: the browser tests of the pack's extensions"
-    export PRECISION_LORA_FRONTEND="$HOSTS_ROOT/frontends/newest/static"
-    run_pytest "0.33.0+frontend-${frontend:-missing}" "${NEWEST_FRONTEND_TESTS[@]}" "$@"
-    unset PRECISION_LORA_FRONTEND
+    runs+=(frontend)
   fi
 fi
+
+# Side by side: the runs share out over lanes (PRECISION_LORA_JOBS, default 2 when the machine has 2+ cores and
+# 14+ GiB available, else 1), each lane one run after another; on CI's 2-core machine the two hosts' runs side by side
+# take ~2/3 of the time of one after the other (docs/DEVELOPING.md, "Timings"). The runs share nothing they write but
+# .cache/ (written atomically, per process) and loopback ports (each lane takes its own: tests/ports.py). With more
+# than one lane each run's output goes to a log, printed whole when its lane ends.
+label_of() { if [ "$1" = frontend ]; then echo "$FRONTEND_LABEL"; else echo "$1"; fi; }
+run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<label>.xml, its exit status REPORTS/<label>.rc
+  local run="$1" label rc
+  shift
+  label="$(label_of "$run")"
+  if [ "$run" = frontend ]; then
+    host_vars 0.33.0
+    echo "== pytest on ComfyUI 0.33.0 with the newest frontend, comfyui-frontend-package ${frontend:-(missing)}: the browser tests of the pack's extensions"
+    set -- "${NEWEST_FRONTEND_TESTS[@]}" "$@"
+    export PRECISION_LORA_FRONTEND="$HOSTS_ROOT/frontends/newest/static"
+  else
+    host_vars "$run"
+    if [ "$run" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
+    echo "== pytest on ComfyUI $run ($HOST_COMFY)"
+  fi
+  set +e
+  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label.xml" --durations=25 "$@"
+  rc=$?
+  set -e
+  unset PRECISION_LORA_FRONTEND
+  if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests on ComfyUI $label: failing"; fi
+  echo $rc > "$REPORTS/$label.rc"
+}
+jobs="${PRECISION_LORA_JOBS:-auto}"
+if [ "$jobs" = auto ]; then
+  avail_gib=$(awk '/^MemAvailable:/ {printf "%d", $2 / 1048576}' /proc/meminfo 2>/dev/null || echo 0)
+  jobs=1
+  if [ "$(nproc)" -ge 2 ] && [ "${avail_gib:-0}" -ge 14 ]; then jobs=2; fi
+fi
+case "$jobs" in ''|*[!0-9]*|0) echo "[precision-lora] PRECISION_LORA_JOBS=$jobs: use a count of runs side by side (1, 2, ...) or auto"; exit 2 ;; esac
+[ "$jobs" -le ${#runs[@]} ] || jobs=${#runs[@]}
+# lane i takes runs i, i + jobs, ...; with two hosts and the frontend run: 0.33.0 + frontend, 0.3.75
+lane_runs() { local i=$1 k; for ((k = i; k < ${#runs[@]}; k += jobs)); do printf '%s ' "${runs[$k]}"; done; }
+if [ "$jobs" -le 1 ]; then
+  for run in "${runs[@]}"; do run_one "$run" "$@"; done
+else
+  pids=()
+  for ((i = 0; i < jobs; i++)); do
+    echo "== lane $((i + 1))/$jobs: $(lane_runs $i)(log: $REPORTS/lane$((i + 1)).log)"
+    ( export PRECISION_LORA_PORT_LANE="$i/$jobs"
+      for run in $(lane_runs $i); do run_one "$run" "$@"; done ) > "$REPORTS/lane$((i + 1)).log" 2>&1 &
+    pids+=($!)
+  done
+  trap 'kill 0' INT TERM
+  for ((i = 0; i < jobs; i++)); do
+    wait "${pids[$i]}" || true
+    cat "$REPORTS/lane$((i + 1)).log"
+  done
+fi
+report_files=()
+for run in "${runs[@]}"; do
+  label="$(label_of "$run")"
+  report_files+=("$REPORTS/$label.xml")
+  [ "$(cat "$REPORTS/$label.rc" 2>/dev/null || echo 1)" = 0 ] || status=1
+done
 python3 scripts/test_summary.py "${report_files[@]}" || status=1
 exit $status

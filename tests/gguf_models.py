@@ -121,7 +121,7 @@ def write_gguf(sd: dict[str, torch.Tensor], path: str, qtype: str, arch: str = "
             continue
         types[key] = stored_type(key, t, qtype)
         writer.add_tensor(key, quantize(t, types[key]), raw_dtype=gguf.GGMLQuantizationType[types[key]])
-    tmp = f"{path}.partial"
+    tmp = f"{path}.{os.getpid()}.partial"  # two hosts may write the cached file at once
     writer.write_header_to_file(path=tmp)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -82,7 +82,7 @@ def _save(sd: dict, path: str, metadata: dict | None = None) -> None:
     import safetensors.torch
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".partial"
+    tmp = f"{path}.{os.getpid()}.partial"  # two hosts may write the cached file at once
     safetensors.torch.save_file({k: v.detach().contiguous().to(v.dtype) for k, v in sd.items()}, tmp,
                                 metadata=metadata)
     os.replace(tmp, path)
@@ -146,7 +146,7 @@ def write_t5xxl_fp8(path: str, seed: int = 0) -> None:
     blob += b" " * (-len(blob) % 8)
     gen = torch.Generator().manual_seed(seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".partial"
+    tmp = f"{path}.{os.getpid()}.partial"  # two hosts may write the cached file at once
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,12 @@ import urllib.parse
 import urllib.request
 import uuid
 
+from ports import free_port  # noqa: F401  (re-exported: the e2e tests import it from here)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable  # the host's Python that runs the tests runs the server too
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 PACK = "comfyui-precision-lora"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from server_harness import PYTHON, ROOT, server_env
+from server_harness import PYTHON, ROOT, free_port, server_env
 
 pytestmark = pytest.mark.e2e
 
@@ -62,9 +61,7 @@ def _runner(base: str, prompt: dict, *args: str, ranks: int = 1, timeout: float 
         json.dump(prompt, f)
     cmd = [os.path.join(ROOT, "scripts", "train.py"), path, "--base-directory", base, *args]
     if ranks > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
                "--master_port", str(port), *cmd]
     # One process runs with the server's thread count: CPU kernels split large reductions by thread, so

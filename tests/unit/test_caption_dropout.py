@@ -156,11 +156,9 @@ def worker(argv: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_drop_the_same_samples_as_one_process(tmp_path) -> None:
-    import socket
+    from ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), __file__, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -103,11 +103,9 @@ def _torchrun(out: str, *args: str, timeout: float = 240, env: dict | None = Non
 
 
 def _free_port() -> int:
-    import socket
+    from ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _one_process(steps: int, state=None):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
@@ -149,9 +148,9 @@ def worker(argv: list[str]) -> None:
 # ---- the tests ----
 
 def _torchrun(out: str, *args: str) -> subprocess.CompletedProcess:
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_port
+
+    port = free_port()  # for the rendezvous
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), __file__, "--out", out, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
