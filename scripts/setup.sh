@@ -55,8 +55,10 @@ torchaudio_python_part() {
     rm -rf "$tmp"
   fi
   # relative to site-packages (Python's site joins a .pth line with its folder): a moved or copied checkout's venv
-  # reads its own pure/, never the original checkout's (tests/unit/test_setup_paths.py)
-  "$HOST_PY" -c "import os,sysconfig,sys; d = sysconfig.get_paths()['purelib']; open(os.path.join(d, 'precision_lora_pure.pth'), 'w').write(os.path.relpath(sys.argv[1], d) + '\n')" "$pure"
+  # reads its own pure/, never the original checkout's (tests/unit/test_setup_paths.py). Run through the .venv link
+  # (the newest host's venv), Python's site folder is .venv/lib/..., where that path leads elsewhere: a second line,
+  # relative to the site folder as seen through the link (site adds only the lines whose folder exists).
+  "$HOST_PY" -c "import os,sysconfig,sys; d = sysconfig.get_paths()['purelib']; link = os.path.join(sys.argv[2], '.venv', os.path.relpath(d, sys.argv[3])); lines = [os.path.relpath(sys.argv[1], d)] + ([os.path.relpath(sys.argv[1], link)] if sys.argv[4] == 'newest' else []); open(os.path.join(d, 'precision_lora_pure.pth'), 'w').write(''.join(ln + '\n' for ln in lines))" "$pure" "$ROOT" "$HOST_VENV" "$([ "$HOST_NAME" = "$NEWEST_HOST" ] && echo newest || echo other)"
 }
 
 setup_shipped_host() {
