@@ -192,6 +192,17 @@ def gguf_layout(plain: Any, ggml: Any, qtype: str, gg: Any) -> dict:
     return layout
 
 
+def lora_param_bytes(name: str, base: str, rank: int, targets: str) -> int:
+    """Bytes of the fp32 LoRA ``attach_lora`` makes on the released model ``name`` (no step run): what the attached
+    set Train LoRA trains a copy of keeps on the device (``StepCost.upstream``). ``bench/memory_table.py --replan``
+    uses it for rows stored before the estimate counted that set."""
+    mode, model = fake_model(name, base)
+    cfg = _pack("lora.config").LoRAConfig(rank=rank, alpha=float(rank), targets=targets)
+    with mode:
+        chosen = _pack("nodes.lora.glue").plan_targets(model, cfg)
+    return sum(4 * rank * (i + o) for i, o in chosen.values())
+
+
 def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, targets: str,
             offload: bool = False) -> dict:
     """``run_step`` of the released model ``name`` at real size, on fake tensors."""
@@ -222,7 +233,8 @@ def _plan_dict(p: Any) -> dict:
     return {"plan": p.describe(), "checkpointing": p.checkpointing, "offload_inputs": p.offload_inputs,
             "swap_blocks": p.swap_blocks,
             "peak_gib": p.peak_gib, "tracked_gib": p.tracked_gib, "weights_gib": p.weights_gib,
-            "overhead_gib": p.overhead_gib, "swapped_gib": p.swapped_gib, "ring_gib": p.ring_gib}
+            "overhead_gib": p.overhead_gib, "swapped_gib": p.swapped_gib, "ring_gib": p.ring_gib,
+            "upstream_gib": p.upstream_gib, "margin_gib": p.margin_gib}
 
 
 def _gib(n: float) -> float:
@@ -270,6 +282,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu: the estimate (fake tensors, no GPU); cuda: also run the step for real on the GPU "
                    "(random weights at the real size) and compare with torch.cuda.max_memory_allocated")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--lora-bytes", action="store_true", help="only print the attached LoRA's bytes as JSON "
+                   "({\"lora_param_bytes\": N}; no step run): bench/memory_table.py --replan")
     return p
 
 
@@ -303,6 +317,10 @@ def main(argv: list[str] | None = None) -> dict:
     import comfy_harness
 
     comfy_harness.pack()
+    if args.lora_bytes:
+        result = {"lora_param_bytes": lora_param_bytes(args.model, args.base, args.rank, args.targets)}
+        print(json.dumps(result), flush=True)
+        return result
     cache: dict[tuple[bool, bool], dict] = {}
 
     def runs(ckpt: bool, offload: bool) -> dict:
@@ -348,10 +366,14 @@ def _print(r: dict) -> None:
               "size or a larger budget")
         return
     print(f"plan: {r['plan']}" + (f" (fits {r['budget_gib']} GiB)" if r["budget_gib"] else ""))
-    for key in ("weights_gib", "lora_gib", "optimizer_gib", "activations_gib", "tracked_gib", "overhead_gib", "peak_gib"):
+    for key in ("weights_gib", "lora_gib", "upstream_gib", "optimizer_gib", "activations_gib", "tracked_gib",
+                "overhead_gib", "peak_gib", "margin_gib"):
         print(f"  {key[:-4]:<12}{r[key]:>9.2f} GiB")
+    print("  (upstream: the attached LoRA set Train LoRA trains a copy of, kept on the device; in tracked)")
     print(f"  (overhead: CUDA context {mp.CUDA_CONTEXT_GIB} + workspaces {mp.WORKSPACE_GIB} GiB + "
           f"{mp.FRAGMENTATION:.0%} fragmentation margin of the tracked peak; not seen by the tracker)")
+    print(f"  (margin: {mp.SAFETY_MARGIN:.0%} of the tracked figure, kept free beyond peak: a plan fits a budget "
+          "when peak + margin is within it)")
     print(f"  FLOPs per step: {r['flops'] / 1e12:.1f} TFLOP (attention {r['attention_flops'] / 1e12:.1f}, by formula)")
     for t in r["largest_saved"]:
         print(f"  saved {t['bytes'] / 2**20:9.1f} MiB {t['dtype']:<9} {t['shape']}")

@@ -9,6 +9,13 @@ the results between the ``memory-table`` markers of ``--doc``. Usage::
     .venv/bin/python bench/memory_table.py --models sdxl,anima --sizes 1024
     .venv/bin/python bench/memory_table.py --models flux1-dev --base bf16   # extra rows in another base
     .venv/bin/python bench/memory_table.py --table-only          # rewrite the doc's table from the results
+    .venv/bin/python bench/memory_table.py --replan              # plans again from each row's stored step costs
+
+``--replan`` runs nothing: it plans each row again from the step costs its run stored (``step_costs``) with the
+planner as it is now (``training/memory_plan.py``) and appends the re-planned rows, marked ``replanned``. A row
+stored before the costs counted the LoRA set Train LoRA forks from (``upstream``) gets it as ``bench/memory.py
+--lora-bytes`` counts it on the row's model, rank and targets (its own process; no step run): the attached set
+is what the trained one is a copy of (``glue.fork_lora``), fp32.
 """
 from __future__ import annotations
 
@@ -22,6 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import memory_models  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import pure_packages  # noqa: E402
+
+pure_packages.install()
+from training import memory_plan  # noqa: E402
 
 BUDGETS = (8, 12, 16, 24, 48, 80)
 # the base users train each model on: fp8 for the large ones (what the published figures use), bf16 else
@@ -71,6 +84,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def lora_bytes(row: dict) -> int:
+    """``bench/memory.py --lora-bytes`` for the row's model, base, rank and targets."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--model", row["model"], "--base", row["base"],
+           "--rank", str(row["rank"]), "--targets", row["targets"], "--lora-bytes"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench/memory_table.py: {' '.join(cmd[1:])} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["lora_param_bytes"]
+
+
+def replan(row: dict) -> dict:
+    """``row`` planned again from its stored step costs (module docstring)."""
+    costs = {}
+    upstream = None
+    for name, c in row["step_costs"].items():
+        fields = {**c, "blocks": tuple(c["blocks"])}
+        if "upstream" not in fields:
+            upstream = lora_bytes(row) if upstream is None else upstream
+            fields["upstream"] = upstream
+        costs[name] = memory_plan.StepCost(**fields)
+    ckpt, offload = costs["checkpointing"], costs["checkpointing + inputs in host memory"]
+    head = memory_plan.plan(ckpt, True, 0)
+    plans = {}
+    for budget in BUDGETS:
+        chosen, tried = memory_plan.choose(lambda c: ckpt, budget, checkpointing_only=True,
+                                           offload_cost=lambda: offload)
+        plans[str(float(budget))] = ({"plan": chosen.describe(), "peak_gib": chosen.peak_gib} if chosen else
+                                     {"plan": None, "peak_gib": min(t.peak_gib for t in tried)})
+    return {**row, "peak_gib": head.peak_gib, "tracked_gib": head.tracked_gib, "weights_gib": head.weights_gib,
+            "overhead_gib": head.overhead_gib, "upstream_gib": head.upstream_gib, "margin_gib": head.margin_gib,
+            "offload_peak_gib": memory_plan.plan(offload, True, 0, True).peak_gib, "plans": plans,
+            "step_costs": {name: vars(c) | {"blocks": list(c.blocks)} for name, c in costs.items()},
+            "replanned": "from the stored step costs by bench/memory_table.py --replan"}
+
+
 def write_doc(path: str, text: str) -> None:
     with open(path, encoding="utf-8") as f:
         doc = f.read()
@@ -99,12 +147,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base", choices=["bf16", "fp8"], help="every row in this base (default: each model's, BASE)")
     p.add_argument("--rerun", action="store_true", help="run rows again even when the results have them")
     p.add_argument("--table-only", action="store_true", help="only write the doc's table from the results")
+    p.add_argument("--replan", action="store_true",
+                   help="plan every row again from its stored step costs (no run), append them, write the table")
     args = p.parse_args(argv)
     unknown = [m for m in args.models.split(",") if m not in memory_models.MODELS]
     if unknown:
         p.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join(memory_models.MODELS)}")
     rows = _load(args.results)
-    if not args.table_only:
+    if args.replan:
+        rows = [replan(r) for r in rows]
+        with open(args.results, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    elif not args.table_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         for model in args.models.split(","):
             for size in (int(s) for s in args.sizes.split(",")):

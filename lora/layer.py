@@ -76,7 +76,8 @@ class LoRASet(nn.Module):
         shapes = {p: getattr(a, "layer_shape", (a.in_features, a.out_features)) for p, a in self.adapters().items()}
         new = LoRASet(self.config, shapes, init=False)
         first = next(self.parameters())
-        new.to(first.device)
+        if any(p.device != first.device for p in new.parameters()):  # (a no-op move fails under fake tensors)
+            new.to(first.device)
         with torch.no_grad():  # name by name (load_state_dict matches every key against every module: quadratic)
             mine = dict(self.named_parameters())
             for name, p in new.named_parameters():

@@ -38,6 +38,7 @@ from ..host import gguf
 from ..lora.glue import get_lora_set
 from ..model.data_checks import is_minimax_h3, is_packed
 from .data import build_samples
+from .glue import kept_lora_bytes
 from .memory_estimate import fake_twin, run_step, step_cost
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
             return cfg, (f"vram budget auto: the training device is {device.type}, which has no VRAM to plan for; "
                          f"gradient_checkpointing={cfg.gradient_checkpointing} and swap_blocks={cfg.swap_blocks} "
                          "run as set")
-        budget = round(auto_budget_gib(device), 2)
+        budget = round(auto_budget_gib(device) + _paid_lora_bytes(model, device) / GIB, 2)
     cost, notes = _cost_fn(model, cfg, latents, conditioning, device.type == "cuda", say)
     plan, tried = choose(cost, budget, checkpointing_only=cfg.gradient_checkpointing,
                          offload_cost=lambda: cost(True, offload=True), offload_only=cfg.offload_block_inputs)
@@ -83,10 +84,11 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
         raise ValueError(
             f"PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
             f"PrecisionTrainSettings: no plan fits {budget:g} GiB: the smallest, {base} base, {least.describe()}, is est. "
-            f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces); "
+            f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces) "
+            f"+ {least.margin_gib:g} GiB safety margin; "
             f"raise vram_budget_gb, lower the resolution, rank or batch size, {_smaller_base(base)}"
             "or set vram_budget_gb to 0 to train without planning")
-    line = f"{what}: {base} base, {plan.describe()}: est. {plan.peak_gib} GiB of {budget:g}"
+    line = f"{what}: {base} base, {plan.describe()}: est. {plan.peak_gib} GiB of {budget:g}" + _margin_text(plan)
     if cfg.swap_blocks and cfg.swap_blocks != plan.swap_blocks:
         line += f" (the plan replaces swap_blocks={cfg.swap_blocks})"
     if cfg.gradient_checkpointing:
@@ -97,6 +99,22 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
     planned = dataclasses.replace(cfg, gradient_checkpointing=plan.checkpointing, swap_blocks=plan.swap_blocks,
                                   offload_block_inputs=plan.offload_inputs)
     return planned, line + "".join(notes)
+
+
+def _margin_text(plan: Plan) -> str:
+    """" (with 0.14 GiB of LoRA sets kept beside the trained one; 0.23 GiB more kept free as safety margin)"."""
+    kept = f"with {plan.upstream_gib:g} GiB of LoRA sets kept beside the trained one; " if plan.upstream_gib else ""
+    margin = f"{plan.margin_gib:g} GiB" if plan.margin_gib else "under 0.01 GiB"
+    return f" ({kept}{margin} more kept free as safety margin)"
+
+
+def _paid_lora_bytes(model: Any, device: torch.device) -> int:
+    """Device bytes the estimate counts that are allocated already, so not in "auto"'s free memory: the trained
+    LoRA set, the set it was forked from (a copy of the same tensors on the same device: ``glue.fork_lora``) and
+    adapters stacked with it (``glue.kept_lora_bytes``) when they are on ``device``."""
+    lora_set = get_lora_set(model)
+    trained = sum(p.numel() * p.element_size() for p in lora_set.parameters() if p.device == device)
+    return 2 * trained + kept_lora_bytes(model, lora_set, device)
 
 
 def host_side(cfg: TrainSettings, plan: Plan, cost: Callable[..., StepCost], latents: list,
@@ -192,7 +210,8 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
              say: Callable[[str], None] = lambda text: None):
     """``cost(checkpointing, offload=False)`` for ``choose`` (estimated lazily, cached) and the notes its
     estimates add to the report (filled as ``choose`` asks)."""
-    lora = get_lora_set(model).config
+    lora_set = get_lora_set(model)
+    lora, stacked = lora_set.config, kept_lora_bytes(model, lora_set)
     with torch.inference_mode(False):
         x0, conds = _batch(model, cfg, latents, conditioning)
     base = (_config_key(model), repr(lora), tuple(x0.shape), _shapes(conds[0]), cfg.optimizer, cfg.loss_weighting,
@@ -210,7 +229,7 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
         cost_, note = _COSTS[key]
         if note and note not in notes:
             notes.append(note)
-        return cost_
+        return dataclasses.replace(cost_, upstream=cost_.upstream + stacked)  # stacked: this model's, not cached
 
     return cost, notes
 

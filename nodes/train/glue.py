@@ -205,6 +205,17 @@ def fork_lora(model: Any, node: str = "PrecisionTrainLoRA") -> tuple[Any, LoRASe
     return out, new
 
 
+def kept_lora_bytes(model: Any, lora_set: LoRASet, device: torch.device | None = None) -> int:
+    """Bytes of the LoRA adapters patched into ``model`` that the run does not train (a loaded LoRA stacked on the
+    trained layers): adapters follow the input's device (``LoRAForward``), so they sit on the device through the
+    run, beside the trained set and the set it was forked from. ``device``: only the tensors on it now."""
+    mine = {id(a) for a in lora_set.adapters().values()}
+    kept = {id(a): sum(p.numel() * p.element_size() for p in a.parameters() if device is None or p.device == device)
+            for patch in model.object_patches.values() for a in getattr(patch, "adapters", ())
+            if isinstance(a, torch.nn.Module) and id(a) not in mine}
+    return sum(kept.values())
+
+
 def _unload(model: Any) -> None:
     for i in range(len(mm.current_loaded_models) - 1, -1, -1):
         if mm.current_loaded_models[i].model is model:

@@ -1,8 +1,10 @@
 """One training step of the pack at a model's real size, estimated on the CPU under fake tensors.
 
 The core of ``bench/memory.py`` (docs/memory.md), here so the training node can plan a VRAM budget
-(``budget.py``). ``run_step`` attaches a LoRA of the given config as ``PrecisionAttachLoRA`` does, runs the
-pack's training step twice (``training.memory_step``: the loop's loss, backward, optimizer with its fp32
+(``budget.py``). ``run_step`` attaches a LoRA of the given config as ``PrecisionAttachLoRA`` does, forks the
+copy it trains as ``PrecisionTrainLoRA`` does (``glue.fork_lora``: the attached set stays on the device, its
+bytes are the run's ``upstream_bytes``), runs the pack's training step twice (``training.memory_step``: the
+loop's loss, backward, optimizer with its fp32
 masters, under the session's own ``glue.step_context``: checkpointing, freezing, the attention reach, as a
 run applies them) under torch's ``MemTracker`` and returns the tracked
 peak by kind, the FLOPs and each swappable block's weight bytes. ``fake_twin`` builds the model a
@@ -26,7 +28,7 @@ from ...training.memory_plan import StepCost
 from ...training.settings import TrainSettings
 from ..host import gguf
 from ..lora.glue import attach_lora, get_lora_set
-from .glue import checkpointed_blocks, model_fns, step_context
+from .glue import checkpointed_blocks, fork_lora, model_fns, step_context
 
 
 def sdpa_override(counter: dict) -> Any:
@@ -105,8 +107,9 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.inference_mode(False):
-        attached = attach_lora(model, lora)
-        lora_set = get_lora_set(attached)
+        with_lora = attach_lora(model, lora)
+        attached, lora_set = fork_lora(with_lora)  # as the node trains: a copy; the attached set stays
+        upstream = get_lora_set(with_lora)
         counter: dict = {}
         attached.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = \
             sdpa_override(counter)
@@ -144,6 +147,7 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
             "matmul_flops": int(flops.get_total_flops()), "attention_flops": int(attention),
             "lora_bytes": sum(p.numel() * p.element_size() for p in lora_set.parameters()),
             "lora_numel": sum(p.numel() for p in lora_set.parameters()),
+            "upstream_bytes": sum(p.numel() * p.element_size() for p in upstream.parameters()),
             "blocks": block_bytes(dm)}
 
 
@@ -160,4 +164,5 @@ def step_cost(run: dict) -> StepCost:
     return StepCost(peak=run["peak"], blocks=tuple(run["blocks"]),
                     weights=kinds.get("Parameter", 0) + kinds.get("Buffer", 0) - run["lora_bytes"],
                     lora=run["lora_bytes"] + kinds.get("Gradient", 0), optimizer=kinds.get("Optstate", 0),
-                    activations=kinds.get("Activation", 0) + kinds.get("Temp", 0), lora_numel=run.get("lora_numel", 0))
+                    activations=kinds.get("Activation", 0) + kinds.get("Temp", 0), lora_numel=run.get("lora_numel", 0),
+                    upstream=run.get("upstream_bytes", 0))

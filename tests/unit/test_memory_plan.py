@@ -13,6 +13,7 @@ def no_allowances(monkeypatch):
     monkeypatch.setattr(mp, "CUDA_CONTEXT_GIB", 0.0)
     monkeypatch.setattr(mp, "WORKSPACE_GIB", 0.0)
     monkeypatch.setattr(mp, "FRAGMENTATION", 0.0)
+    monkeypatch.setattr(mp, "SAFETY_MARGIN", 0.0)
 
 
 def _costs(plain_gib: float, ckpt_gib: float, blocks=(1, 1, 1, 1)):
@@ -34,6 +35,29 @@ def test_a_plan_is_the_peak_minus_swapped_blocks_plus_the_ring_plus_allowances()
     assert p.peak_gib == round(11 + p.overhead_gib, 2)
     assert p.describe() == "checkpointing, 2 of 4 blocks swapped"
     assert mp.plan(cost, False).describe() == "no checkpointing" and mp.plan(cost, True).ring_gib == 0
+
+
+def test_the_lora_sets_kept_beside_the_trained_one_count_on_the_device():
+    """Train LoRA trains a copy of the attached set; the attached one stays on the device (StepCost.upstream)."""
+    cost = mp.StepCost(peak=10 * G, blocks=(G, 2 * G, G, G), weights=5 * G)
+    kept = mp.StepCost(peak=10 * G, blocks=(G, 2 * G, G, G), weights=5 * G, upstream=G // 4)
+    for swap in (0, 2):
+        a, b = mp.plan(cost, True, swap), mp.plan(kept, True, swap)
+        assert (b.tracked_gib - a.tracked_gib, b.upstream_gib, a.upstream_gib) == (0.25, 0.25, 0.0)
+        assert b.peak_gib == round(b.tracked_gib * (1 + mp.FRAGMENTATION) + mp.CUDA_CONTEXT_GIB + mp.WORKSPACE_GIB, 2)
+
+
+def test_a_plan_fits_only_with_the_safety_margin_free():
+    """A plan whose estimate is within the budget but not its safety margin does not fit; the next plan is taken."""
+    cost = mp.StepCost(peak=10 * G, blocks=(G, G, G, G), weights=5 * G)
+    first = mp.plan(cost, True)
+    assert first.margin_gib == round(mp.SAFETY_MARGIN * first.tracked_gib, 2) > 0
+    at_estimate = first.peak_gib + first.margin_gib / 2
+    assert not first.fits(at_estimate) and first.fits(first.peak_gib + first.margin_gib)
+    chosen, tried = mp.choose(lambda ck: cost, at_estimate, checkpointing_only=True)
+    # 1 and 2 swapped blocks free nothing (the ring: 1, then 2 slots of a 1 GiB block); 3 frees 1 GiB
+    assert tried[0] == first and [t.swap_blocks for t in tried] == [0, 1, 2, 3] and chosen == tried[-1]
+    assert chosen.peak_gib + chosen.margin_gib <= at_estimate
 
 
 def test_the_cheapest_plan_that_fits(no_allowances):
