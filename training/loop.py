@@ -18,6 +18,7 @@ from .caption_dropout import dropped
 from .checkpoint import TrainingState
 from .distributed import DataParallel, active
 from .guard import NanGuard, all_finite
+from .learning import LearningGuard, summary as learning_summary
 from .masters import MasterWeights
 from .optim import apply_lr, build_optimizer, lr_multiplier, schedule_free
 from .outcome import Outcome, judge
@@ -108,10 +109,12 @@ class Hooks:
 class RunResult:
     state: TrainingState = None  # type: ignore[assignment]  # the final snapshot, set when the run ends
     stopped: bool = False
-    reason: str = "done"           # done | stop | interrupt | nan
+    reason: str = "done"           # done | stop | interrupt | nan | learning
     checkpoints: list[str] = field(default_factory=list)
     ema_files: list[str] = field(default_factory=list)  # EMA LoRAs written beside checkpoints and at the end
     outcome: Outcome | None = None  # training.outcome.judge of this call: ok, or failed with the reason
+    learning: str = ""  # the learning guard's line (training.learning.summary); "" when learning_guard is off
+    learning_findings: int = 0  # how many findings that line names
 
 
 def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
@@ -152,6 +155,20 @@ class _Run:
             parallel.broadcast_([*module.parameters(), *(m for _, m in self.masters.masters())])
         self.views = self._views(state)
         self.guard.snapshot(self.step, self.guarded(), self.optimizer)
+        self.learning = self._learning_guard()
+
+    def _learning_guard(self) -> LearningGuard | None:
+        """The learning guard over the module's trainable parameters (what is saved) and what the optimizer
+        updates for each (the parameter itself or its fp32 master), named by adapter path and factor."""
+        if self.s.learning_guard == "off":
+            return None
+        master = {id(p): m for p, m in self.masters.masters()}
+        paths = {id(q): f"{path} ({n})" for path, a in getattr(self.module, "adapters", dict)().items()
+                 for n, q in a.named_parameters()}
+        stored = [p for p in self.module.parameters() if p.requires_grad]
+        names = [paths.get(id(p)) or self.names[id(p)] for p in stored]
+        return LearningGuard(stored, [master.get(id(p), p) for p in stored], names, self.s.learning_guard_steps,
+                             self.s.learning_guard)
 
     # ---- state ----
     def guarded(self) -> list[torch.Tensor]:
@@ -308,6 +325,8 @@ class _Run:
         self.masters.pull_grads()
         if self.parallel is not None:  # every rank now holds the global batch's gradient and loss
             loss, dop = self.parallel.reduce(self.params, [loss, dop])
+        if self.learning is not None:
+            self.learning.observe()
         rollbacks = self.guard.rollbacks
         outcome = self._update(loss, dop)
         self.optimizer.zero_grad(set_to_none=True)
@@ -358,6 +377,20 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
     return torch.nn.utils.get_total_norm(tensors)
+
+
+def _learning_check(run: _Run, result: RunResult, last: bool) -> bool:
+    """Run the learning guard's check when it is due; True when it found something and its mode is "stop"."""
+    guard = run.learning
+    if guard is None or not guard.due(last):
+        if guard is not None and last and guard.findings is None:
+            result.learning = learning_summary(None, guard.observed)
+        return False
+    findings = guard.check()
+    result.learning, result.learning_findings = learning_summary(findings, guard.observed), len(findings)
+    if findings:
+        log.warning("training step %d: %s", run.step, result.learning)
+    return bool(findings) and guard.mode == "stop"
 
 
 def _abort_step(run: _Run) -> None:
@@ -435,6 +468,8 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 raise ValueError(f"on_step returned {action!r}; expected one of {ACTIONS}")
             periodic = settings.checkpoint_every > 0 and run.step % settings.checkpoint_every == 0
             stop_reason = "nan" if outcome == "stop" else action if action in ("stop", "interrupt") else None
+            if _learning_check(run, result, local + 1 == steps) and stop_reason is None:
+                stop_reason = "learning"
             if periodic or action == "checkpoint" or stop_reason:
                 run.checkpoint(hooks, stop_reason or action or "periodic", result)
             if stop_reason:
@@ -447,7 +482,8 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     dropped = sum(1 for p in run.history[start[3]:] if p.get("dropped"))
     result.outcome = judge(trained, run.step - start[0], run.guard.skipped - start[1], run.guard.rollbacks - start[2],
                            dropped, float(getattr(getattr(module, "config", None), "module_dropout", 0.0)),
-                           run.guard.discarded - start[4])
+                           run.guard.discarded - start[4],
+                           learning=result.learning if result.reason == "learning" else None)
     if result.outcome.skipped or result.outcome.dropped:
         log.warning("training %s", result.outcome.summary())
     run.save_ema(hooks, result)

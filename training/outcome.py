@@ -9,7 +9,8 @@ A call **fails** when one of these holds (``Outcome.problem`` says which, with t
    beyond what fp16 can hold;
 3. every optimizer step of the call was skipped: by the NaN guard (non-finite loss or gradients) or because
    ``module_dropout`` dropped every adapter in it (no gradient): nothing was learned,
-   whatever the weights look like.
+   whatever the weights look like;
+4. the learning guard (``learning_guard`` "stop", ``training.learning``) found factors that do not learn.
 
 Otherwise the call succeeds; skipped steps, steps with every adapter dropped and rollbacks are still counted
 in ``summary()``, logged, and recorded in the LoRA's metadata (``precision_lora_outcome``). A skipped step
@@ -76,8 +77,9 @@ def largest_abs(params: Iterable[torch.Tensor]) -> float:
 
 
 def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: int, dropped: int = 0,
-          module_dropout: float = 0.0, discarded: int = 0) -> Outcome:
-    """The outcome of a call that ran ``steps`` optimizer steps on ``params`` (see the module docstring)."""
+          module_dropout: float = 0.0, discarded: int = 0, learning: str | None = None) -> Outcome:
+    """The outcome of a call that ran ``steps`` optimizer steps on ``params`` (see the module docstring).
+    ``learning``: the learning guard's findings when it stopped the run (``learning_guard`` "stop")."""
     peak = largest_abs(params)
     problem = None
     if not math.isfinite(peak):
@@ -92,4 +94,7 @@ def judge(params: Iterable[torch.Tensor], steps: int, skipped: int, rollbacks: i
         why = "non-finite loss or gradients" if not dropped else \
             f"{skipped} with non-finite loss or gradients, {dropped} with every adapter dropped by module_dropout"
         problem = f"every one of the {steps} steps was skipped ({why}), so nothing was learned; {FIX}"
+    elif learning:
+        problem = (f"the learning guard stopped the run at step {steps} ({learning}); fix what it names, or set "
+                   "learning_guard to warn to train on and only report it")
     return Outcome(steps, skipped, rollbacks, peak, problem, dropped, module_dropout, discarded)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .checks import number_problem
+from .learning import LEARNING_GUARDS
 from .memory_plan import parse_budget
 from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, schedule_free
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
@@ -71,6 +72,8 @@ class TrainSettings:
     offload_block_inputs: bool = False  # checkpointed blocks' inputs wait for backward in host memory
     vram_budget_gb: str = "0"       # "0"/"off", "auto" or GiB: the memory planner picks checkpointing + swap_blocks
     ram_budget_gb: str = "auto"     # with a VRAM plan: host memory it may keep ("auto": available now; "0"/"off": unchecked)
+    learning_guard: str = "warn"    # LEARNING_GUARDS: name factors that do not learn (warn), also end the run (stop), off
+    learning_guard_steps: int = 20  # the learning guard's window: the first N optimizer steps of each call
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +167,7 @@ class TrainSettings:
         registries: dict[str, Mapping[str, Any]] = {
             "optimizer": OPTIMIZERS, "lr_schedule": SCHEDULES, "timestep_sampling": TIMESTEP_SAMPLERS,
             "loss_weighting": LOSS_WEIGHTINGS, "target": TARGETS, "nan_policy": NAN_POLICIES, "ema_save": EMA_SAVE,
+            "learning_guard": LEARNING_GUARDS,
         }
         for field, registry in registries.items():
             value = getattr(self, field)
@@ -181,7 +185,8 @@ class TrainSettings:
 
     def _validate_counts(self) -> None:
         minimums = {"warmup_steps": 0, "schedule_steps": 1, "restarts": 1, "batch_size": 1, "grad_accum": 1,
-                    "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1, "swap_blocks": 0}
+                    "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1, "swap_blocks": 0,
+                    "learning_guard_steps": 2}
         for field, low in minimums.items():
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

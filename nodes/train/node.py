@@ -15,6 +15,7 @@ import comfy.utils
 from ...training import optim, sampling
 from ...training.checkpoint import TrainingState
 from ...training.loop import Hooks, StepReport, train
+from ...training.learning import LEARNING_GUARDS
 from ...training.settings import NAN_POLICIES, TrainSettings
 from ...training.views import EMA_SAVE
 from ..checks.gate import PrecisionNode
@@ -142,6 +143,15 @@ def _ema_inputs() -> list:
                                 "plan's host side (block inputs in pinned memory, swapped blocks, EMA on the CPU, "
                                 "the NaN guard's snapshot, the dataset) is estimated beside its VRAM; a plan over "
                                 "this is refused with both figures instead of thrashing the machine. docs/memory.md."),
+        # after ram_budget_gb for the same reason
+        io.Combo.Input("learning_guard", options=list(LEARNING_GUARDS), default=DEFAULTS.learning_guard, optional=True,
+                       tooltip="Is it learning? Over the first learning_guard_steps steps of each run, names the LoRA "
+                               "factors that never moved, got only zero or non-finite gradients, or whose updates "
+                               "are below what their dtype can store, and a collapsed gradient norm. "
+                               + "; ".join(f"{k}: {v}" for k, v in LEARNING_GUARDS.items()) + ". docs/training.md."),
+        io.Int.Input("learning_guard_steps", default=DEFAULTS.learning_guard_steps, min=2, max=100000, step=1,
+                     optional=True, tooltip="The learning guard's window: it checks after this many optimizer steps "
+                                            "of each run (a shorter run: at its end)."),
     ]
 
 
@@ -343,6 +353,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         page.send("precision_lora.train_done", {"node": node_id, "prompt_id": prompt_id, "steps": result.state.step,
                                             "stopped": result.stopped, "checkpoint": checkpoint,
                                             "failed": not outcome.ok, "outcome": outcome.summary(),
+                                            "learning": result.learning,
                                             "resumed_from": cont.pick.name if cont.pick else None})
         if result.reason == "interrupt":
             mm.interrupt_current_processing(False)
@@ -370,7 +381,8 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
         for line in [*report.lines(), *attention.start_lines()]:
             log.info("PrecisionTrainLoRA: %s", line)
-        page.show_on_node("\n".join([*report.lines(), *attention.start_lines(), *changes]), node_id)
+        shown = [*report.lines(), *attention.start_lines(), *changes]
+        page.show_on_node("\n".join(shown), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
         start = state.step if state is not None else 0
         lora_set.info.update(training_metadata(plan.session, report.sizes, report.samples, start + steps, seed if state is None
@@ -380,7 +392,13 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         if isinstance(hooks.on_step, PreviewStepHook):
             hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
-            return train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
+            result = train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
+            if result.learning:
+                lora_set.info["precision_lora_learning"] = result.learning
+                log.info("PrecisionTrainLoRA: %s", result.learning)
+            if result.learning_findings:  # under the node too, beside the run's report
+                page.show_on_node("\n".join([*shown, result.learning]), node_id)
+            return result
         except ValueError as exc:
             raise _node_error("PrecisionTrainLoRA", exc) from exc
         finally:

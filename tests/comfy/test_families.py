@@ -98,6 +98,7 @@ def _memorise(pack_module, model, name: str, steps: int = STEPS, **settings_kw) 
                                       target=lambda s, n, x0: base.target(s, fixed, x0),
                                       sigma_of_u=lambda u: base.sigma_of_u(torch.full_like(u, 0.5)))
             result = loop.train(lora_set, samples, fns, settings, steps, seed=0)
+    lora_set.learning = result.learning  # the learning guard's line (default learning_guard "warn")
     return [p["loss"] for p in result.state.history], lora_set
 
 
@@ -151,6 +152,8 @@ def test_family_row(pack_module, name, caplog):
     losses, lora_set = _memorise(pack_module, model, name)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.8 * first, f"{name}: loss {first:.4f} -> {last:.4f}"
+    # a healthy run: the learning guard names nothing (every factor that got a gradient moved)
+    assert lora_set.learning.startswith(f"learning: ok over {min(STEPS, 20)} steps"), (name, lora_set.learning)
     _stock_loads(pack_module, model, lora_set, caplog)
     column = _host_column()
     row += ["", ""]
