@@ -18,6 +18,12 @@
   raises instead of giving wrong gradients (autograd skips its own check when hooks are installed).
   Forwards are restored on exit. ``offload_inputs`` keeps the kept inputs that carry gradient in host
   memory until backward (the block inputs of Flux.1-dev at 1024 px are ~1.5 GiB of its peak).
+- ``RecomputeCheck``: backward's gradients come from the recomputed activations, not the forward's; if the two
+  differ (a non-deterministic block, a host round trip or a swapped weight that is not what the forward read),
+  the gradients belong to another function than the loss, silently (torch's determinism check compares only
+  shapes, dtypes and devices). Inside ``checkpoint_blocks`` each block's recomputed outputs are compared with
+  its forward's once (the first checkpointed step), by their float64 sum and 2-norm, within ``RECOMPUTE_ULPS``
+  of the output dtype's epsilon (relative); the learning guard (``training.learning``) reports what differs.
 """
 from __future__ import annotations
 
@@ -219,7 +225,67 @@ def _from_host(saved: Any) -> torch.Tensor:
     return t.requires_grad_(saved.requires_grad)
 
 
-def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None, offload_inputs: bool = False) -> Any:
+RECOMPUTE_ULPS = 16  # relative tolerance of the recomputation check, in epsilons of the output's dtype
+
+
+def _outputs(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    return []
+
+
+@torch.no_grad()
+def _summary(value: Any) -> list[tuple[float, float, torch.dtype, int]]:
+    """(float64 sum, float64 2-norm, dtype, numel) of each floating output tensor: one host sync."""
+    ts = [t for t in _outputs(value) if t.is_floating_point() and not isinstance(t, FakeTensor)]
+    if not ts:
+        return []
+    both = torch.stack([torch.stack([t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
+                        for t in ts]).cpu().tolist()
+    return [(a, b, t.dtype, t.numel()) for (a, b), t in zip(both, ts)]
+
+
+@dataclasses.dataclass
+class RecomputeCheck:
+    """The recomputation check of one ``checkpoint_blocks`` (module docstring). ``differences``: (block name,
+    relative difference, tolerance) of each block whose recomputed outputs differ from its forward's."""
+
+    names: dict[int, str] = dataclasses.field(default_factory=dict)
+    checked: set[int] = dataclasses.field(default_factory=set)
+    pending: dict[int, list] = dataclasses.field(default_factory=dict)
+    differences: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
+
+    def forward(self, key: int, outputs: Any) -> None:
+        if key not in self.checked and key not in self.pending:
+            self.pending[key] = _summary(outputs)
+
+    def recomputed(self, key: int, outputs: Any) -> None:
+        seen = self.pending.pop(key, None)
+        if seen is None or key in self.checked:
+            return
+        self.checked.add(key)
+        again = _summary(outputs)
+        worst, tol = 0.0, 0.0
+        for (s0, n0, dtype, numel), (s1, n1, _, _) in zip(seen, again):
+            scale = max(n0, 1e-30)  # |sum| <= norm x sqrt(numel): the sum's difference is scaled to match
+            tol = max(tol, RECOMPUTE_ULPS * torch.finfo(dtype).eps)
+            worst = max(worst, abs(n1 - n0) / scale, abs(s1 - s0) / (scale * max(1.0, numel ** 0.5)))
+        if len(seen) != len(again) or worst > tol:
+            self.differences.append((self.names.get(key, f"block {key}"), worst, tol))
+
+
+_ACTIVE_CHECKS: list[RecomputeCheck] = []
+
+
+def recompute_check() -> RecomputeCheck | None:
+    """The recomputation check of the innermost ``checkpoint_blocks`` now open, if any."""
+    return _ACTIVE_CHECKS[-1] if _ACTIVE_CHECKS else None
+
+
+def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None, offload_inputs: bool = False,
+                  check: RecomputeCheck | None = None, key: int = 0) -> Any:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
@@ -244,13 +310,17 @@ def _checkpointed(forward: Any, in_place_adds: bool, rng: RNGState | None, offlo
         def body(*ts: torch.Tensor) -> Any:
             calls.append(len(calls))
             if len(calls) == 1 or rng is None:
-                return call(ts)
-            now = rng.get_state()
-            rng.set_state(at_forward)
-            try:
-                return call(ts)
-            finally:
-                rng.set_state(now)
+                out = call(ts)
+            else:
+                now = rng.get_state()
+                rng.set_state(at_forward)
+                try:
+                    out = call(ts)
+                finally:
+                    rng.set_state(now)
+            if check is not None and key not in check.checked:
+                (check.forward if len(calls) == 1 else check.recomputed)(key, out)
+            return out
 
         # the inputs are kept as they are (an enclosing clone_saved_tensors would copy each, pe included)
         hooks = (_to_host, _from_host) if offload_inputs else (_keep, _checked)
@@ -273,17 +343,23 @@ def checkpoint_blocks(blocks: Sequence[nn.Module], in_place_adds: bool = True,
     draws, which torch's ``preserve_rng_state`` does not, and leaves them where the forward left them.
     ``offload_inputs``: the kept inputs that carry gradient (the residual streams, the bulk of what
     checkpointing keeps) wait for backward in host memory (``_to_host``), not on the device.
+    While open, ``recompute_check()`` is its ``RecomputeCheck`` (each block compared once).
     Blocks must return a tensor or a tuple of tensors. Instance ``forward`` attributes are set and removed
     again on exit, so the shared model is unchanged afterwards.
     """
     patched: list[tuple[nn.Module, Any]] = []
+    check = RecomputeCheck()
+    _ACTIVE_CHECKS.append(check)
     try:
-        for block in blocks:
+        for i, block in enumerate(blocks):
             previous = block.__dict__.get("forward")
-            block.forward = _checkpointed(block.forward, in_place_adds, rng, offload_inputs)  # type: ignore[method-assign]
+            check.names[i] = f"checkpointed block {i} ({type(block).__name__})"
+            block.forward = _checkpointed(block.forward, in_place_adds, rng, offload_inputs,  # type: ignore[method-assign]
+                                          check, i)
             patched.append((block, previous))
         yield len(patched)
     finally:
+        _ACTIVE_CHECKS.remove(check)
         for block, previous in reversed(patched):
             if previous is None:
                 del block.forward

@@ -12,7 +12,10 @@ call of ``train`` (or all of a shorter call, from 2 steps) and names, by module 
   path cuts it off from the loss);
 - ``non-finite gradients``: every gradient it received was NaN/inf (the NaN guard skipped those steps);
 - ``gradient collapse``: the total gradient norm over the window's last quarter is under ``COLLAPSE`` of its
-  first quarter's (from 8 steps).
+  first quarter's (from 8 steps);
+- ``recomputation differs`` (with gradient checkpointing, on the first checkpointed step, at once: it does not wait
+  for the window): a checkpointed block's recomputed outputs differ from its forward's beyond a dtype-aware
+  tolerance (``training.grad.RecomputeCheck``), so backward differentiates other activations than the loss saw.
 
 Pure torch, no ComfyUI. Costs one ``_foreach_norm`` and one host sync per step inside the window, nothing after.
 A LoRA up factor starts at zero, so its down factor gets no gradient on the first step: a finding needs the
@@ -45,7 +48,8 @@ class Finding:
         if not self.modules:
             return f"{self.kind}: {self.detail}"
         names = ", ".join(self.modules[:limit]) + (f" and {len(self.modules) - limit} more" if len(self.modules) > limit else "")
-        return f"{self.kind} ({len(self.modules)} factor{'s' if len(self.modules) != 1 else ''}: {names})" + (
+        what = "block" if self.kind == "recomputation differs" else "factor"
+        return f"{self.kind} ({len(self.modules)} {what}{'s' if len(self.modules) != 1 else ''}: {names})" + (
             f": {self.detail}" if self.detail else "")
 
 
@@ -80,6 +84,7 @@ class LearningGuard:
     _finite: list[bool] = field(default_factory=list)
     _seen: list[bool] = field(default_factory=list)
     _norms: list[float] = field(default_factory=list)
+    extra: list[Finding] = field(default_factory=list)  # found before the window's check (recomputation)
 
     def __post_init__(self) -> None:
         if self.mode not in LEARNING_GUARDS:
@@ -113,6 +118,19 @@ class LearningGuard:
         """Whether to check now: the window is full, or the call ends with at least ``MIN_STEPS`` observed."""
         return self.active and (self.observed >= self.window or (last_step_of_call and self.observed >= MIN_STEPS))
 
+    def recomputation(self, differences: list[tuple[str, float, float]]) -> Finding | None:
+        """The finding for the recomputation check's differences, once (None when none, or said already)."""
+        if self.mode == "off" or not differences or any(f.kind == "recomputation differs" for f in self.extra):
+            return None
+        worst = max(differences, key=lambda d: d[1])
+        finding = Finding("recomputation differs", tuple(name for name, _, _ in differences),
+                          f"under gradient checkpointing the recomputed outputs differ from the forward's (largest "
+                          f"relative difference {worst[1]:.3g}, tolerance {worst[2]:.3g}): the gradients are not the "
+                          "loss's; a block that is not deterministic, or a host round trip / swapped weight that "
+                          "changed; turn gradient_checkpointing off to confirm")
+        self.extra.append(finding)
+        return finding
+
     def check(self) -> list[Finding]:
         """The findings (empty: learning), once per call. Judged per factor (an adapter's down and up apart: a
         frozen lora_A beside a moving lora_B is the classic case)."""
@@ -142,7 +160,7 @@ class LearningGuard:
             "non-finite gradients": f"every gradient in {self.observed} steps was NaN/inf (the NaN guard skipped "
                                     "them); lower learning_rate, check the data",
         }
-        findings = [Finding(kind, tuple(mods), details[kind]) for kind, mods in by.items()]
+        findings = [*self.extra, *(Finding(kind, tuple(mods), details[kind]) for kind, mods in by.items())]
         collapse = self._collapse()
         if collapse:
             findings.append(collapse)

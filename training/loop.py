@@ -17,6 +17,7 @@ from torch import nn
 from .caption_dropout import dropped
 from .checkpoint import TrainingState
 from .distributed import DataParallel, active
+from .grad import recompute_check
 from .guard import NanGuard, all_finite
 from .learning import LearningGuard, summary as learning_summary
 from .masters import MasterWeights
@@ -382,8 +383,17 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _learning_check(run: _Run, result: RunResult, last: bool) -> bool:
     """Run the learning guard's check when it is due; True when it found something and its mode is "stop"."""
     guard = run.learning
-    if guard is None or not guard.due(last):
-        if guard is not None and last and guard.findings is None:
+    if guard is None:
+        return False
+    checked = recompute_check()
+    early = guard.recomputation(checked.differences) if checked is not None and guard.active else None
+    if early is not None:  # at once, not at the window's end
+        result.learning, result.learning_findings = learning_summary([early], guard.observed), 1
+        log.warning("training step %d: %s", run.step, result.learning)
+        if guard.mode == "stop":
+            return True
+    if not guard.due(last):
+        if last and guard.findings is None and not result.learning:
             result.learning = learning_summary(None, guard.observed)
         return False
     findings = guard.check()

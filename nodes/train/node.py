@@ -147,7 +147,8 @@ def _ema_inputs() -> list:
         io.Combo.Input("learning_guard", options=list(LEARNING_GUARDS), default=DEFAULTS.learning_guard, optional=True,
                        tooltip="Is it learning? Over the first learning_guard_steps steps of each run, names the LoRA "
                                "factors that never moved, got only zero or non-finite gradients, or whose updates "
-                               "are below what their dtype can store, and a collapsed gradient norm. "
+                               "are below what their dtype can store, a collapsed gradient norm, and (checkpointing) "
+                               "blocks whose recomputation differs from the forward. "
                                + "; ".join(f"{k}: {v}" for k, v in LEARNING_GUARDS.items()) + ". docs/training.md."),
         io.Int.Input("learning_guard_steps", default=DEFAULTS.learning_guard_steps, min=2, max=100000, step=1,
                      optional=True, tooltip="The learning guard's window: it checks after this many optimizer steps "

@@ -221,3 +221,23 @@ def test_previews_sample_through_the_swap_and_leave_placement_alone(mods, pack_m
     whole = sum(t.numel() * t.element_size() for t in (*base.parameters(), *base.buffers()))
     # training (3 steps x 2) and 3 previews of 2 sampling steps each went through the swap
     assert len(seen) >= 3 * 2 + 3 * 2 and len(set(seen)) == 1 and 0 < seen[0] < whole
+
+
+@pytest.mark.parametrize("family, offload, swap", [("flux1", False, 0), ("flux1", True, 0), ("flux1", False, 1),
+                                                   ("flux1", True, 1), ("cosmos", True, 1)])
+def test_the_recomputation_equals_the_forward_in_every_memory_mode(mods, pack_module, monkeypatch, family, offload,
+                                                                   swap):
+    """The learning guard's recomputation check (training.grad.RecomputeCheck) through Train LoRA: checkpointing
+    alone, with the block inputs on the host, with blocks swapped, and both: every checkpointed block's recomputed
+    outputs are compared with its forward's, and equal (learning_guard 'stop' would have ended the run)."""
+    grad = pack_module("training.grad")
+    compared: list[int] = []
+    original = grad.RecomputeCheck.recomputed
+    monkeypatch.setattr(grad.RecomputeCheck, "recomputed",
+                        lambda self, key, out: compared.append(key) or original(self, key, out))
+    m, latent, cond = _setup(mods, family)
+    settings = _settings(mods, swap, offload_block_inputs=offload, learning_guard="stop", learning_guard_steps=2)
+    out, state, _, _ = _run(mods, m, latent, cond, 3, settings, name=f"recompute_{family}")
+    learning = mods.glue.get_lora_set(out).info["precision_lora_learning"]
+    assert learning == "learning: ok over 2 steps (every factor that got gradients moved)", learning
+    assert state.step == 3 and sorted(set(compared)) == list(range(len(_blocks(m, mods)) - 1))

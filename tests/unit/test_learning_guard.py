@@ -9,9 +9,11 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_toy import ToyLoRA, ToyNet, toy_data, toy_fns  # noqa: E402
+from training.grad import checkpoint_blocks  # noqa: E402
 from training.learning import Finding, LearningGuard, summary  # noqa: E402
 from training.loop import train  # noqa: E402
 from training.settings import TrainSettings  # noqa: E402
@@ -113,3 +115,58 @@ def test_finding_text_lists_at_most_four_names():
     f = Finding("zero gradients", tuple(f"b{i} (up)" for i in range(6)), "why")
     assert f.text() == "zero gradients (6 factors: b0 (up), b1 (up), b2 (up), b3 (up) and 2 more): why"
     assert summary([], 5) == "learning: ok over 5 steps (every factor that got gradients moved)"
+
+
+# ---- the recomputation check (training.grad.RecomputeCheck) under gradient checkpointing ----
+
+class _Block(nn.Module):
+    """tanh(h W); ``drift`` > 0 makes each call's output differ by that fraction (a non-deterministic block)."""
+
+    def __init__(self, dim: int, seed: int, drift: float = 0.0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(dim, dim, generator=g) / dim**0.5, requires_grad=False)
+        self.drift, self.calls = drift, 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(h @ self.w.T) * (1 + self.drift * self.calls)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, dim: int, drift: float = 0.0) -> None:
+        super().__init__()
+        self.lora = ToyLoRA(dim)
+        self.blocks = nn.ModuleList([_Block(dim, 1, drift), _Block(dim, 2), _Block(dim, 3)])
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = x + self.lora.delta(x) + sigma.view(-1, 1) + cond.view(-1, 1)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def _checkpointed_run(drift: float, mode: str = "warn", offload: bool = False, steps: int = 6):
+    net = _Blocks(DIM, drift)
+    fns = dataclasses.replace(toy_fns(ToyNet(DIM)), predict=net, predict_base=None)
+    cfg = TrainSettings(learning_rate=1e-2, learning_guard=mode, learning_guard_steps=4, gradient_checkpointing=True,
+                        offload_block_inputs=offload)
+    with checkpoint_blocks(net.blocks[:-1], in_place_adds=False, offload_inputs=offload):
+        return train(net.lora, toy_data(2, DIM), fns, cfg, steps=steps, seed=3)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_exact_recomputation_is_named_nothing(offload):
+    """Checkpointing, with the block inputs on the host or not: the recomputation is the forward, bit for bit."""
+    result = _checkpointed_run(0.0, offload=offload)
+    assert result.learning == "learning: ok over 4 steps (every factor that got gradients moved)", result.learning
+
+
+def test_a_non_deterministic_block_under_checkpointing_is_named_at_once():
+    result = _checkpointed_run(1e-3)
+    assert "recomputation differs (1 block: checkpointed block 0 (_Block)): " in result.learning, result.learning
+    # the drift: the recomputation is the block's second call, 1.002 / 1.001 - 1 of the forward's output
+    assert "largest relative difference 0.000999, tolerance 1.91e-06" in result.learning and result.outcome.ok  # warn
+    stopped = _checkpointed_run(1e-3, mode="stop")
+    assert stopped.stopped and stopped.reason == "learning" and stopped.state.step == 1  # the first step
+    assert "recomputation differs" in stopped.outcome.problem
