@@ -8,8 +8,10 @@ call of ``train`` (or all of a shorter call, from 2 steps) and names, by module 
 - ``never moved``: a trainable factor still holds its initial values, although gradients reached it (the optimizer changed nothing: a frozen factor, a learning rate of 0 for its group);
 - ``below resolution``: the same, for a factor stored in bf16/fp16 whose fp32 master did move: each update is
   smaller than the stored dtype can hold (raise the learning rate, store the LoRA in fp32);
-- ``zero gradients``: every gradient the factor received in the window was exactly 0 (a hook or a detached
-  path cuts it off from the loss);
+- ``zero gradients``: every gradient the factor received in the window was exactly 0 while the adapter's other
+  factor learned (a hook or a detached path cuts it off from the loss). An adapter none of whose factors got a
+  non-zero gradient is a note, not a finding: its output does not reach the loss (the last block's text-query
+  projection of a model without single-stream blocks), which looks the same as an adapter cut off whole;
 - ``non-finite gradients``: every gradient it received was NaN/inf (the NaN guard skipped those steps);
 - ``gradient collapse``: the total gradient norm over the window's last quarter is under ``COLLAPSE`` of its
   first quarter's (from 8 steps);
@@ -85,6 +87,7 @@ class LearningGuard:
     _seen: list[bool] = field(default_factory=list)
     _norms: list[float] = field(default_factory=list)
     extra: list[Finding] = field(default_factory=list)  # found before the window's check (recomputation)
+    unused: list[str] = field(default_factory=list)  # adapters no gradient reached at all (a note, see check)
 
     def __post_init__(self) -> None:
         if self.mode not in LEARNING_GUARDS:
@@ -137,13 +140,26 @@ class LearningGuard:
         moved = [a != b for a, b in zip(_signature(self.stored), self._start)]
         moved_opt = [a != b for a, b in zip(_signature(self.optimized), self._start_opt)]
         by: dict[str, list[str]] = {}
+        adapters: dict[str, list[int]] = {}
         for i, name in enumerate(self.modules):
-            if moved[i] or not self._seen[i]:
+            adapters.setdefault(_adapter(name), []).append(i)
+        # every factor of an adapter with zero gradients and unmoved: its output does not reach the loss (the last
+        # block's text-query projection of a model without single-stream blocks), or all of it is cut off; the two
+        # look the same, so it is a note, not a finding
+        # (judged by the gradients, not by whether the values moved: decoupled weight decay moves a factor whose
+        # gradients are all zero)
+        unused = {a for a, idx in adapters.items()
+                  if all(self._seen[i] and self._finite[i] and not self._nonzero[i] for i in idx)}
+        self.unused = sorted(unused)
+        for i, name in enumerate(self.modules):
+            if not self._seen[i] or _adapter(name) in unused:
                 continue  # no gradient ever (module dropout, a layer outside this forward): nothing to judge
             if not self._finite[i]:
                 kind = "non-finite gradients"
             elif not self._nonzero[i]:
                 kind = "zero gradients"
+            elif moved[i]:
+                continue
             elif moved_opt[i] and self.stored[i].dtype in (torch.bfloat16, torch.float16):
                 kind = "below resolution"
             else:
@@ -184,11 +200,26 @@ class LearningGuard:
         return None
 
 
-def summary(findings: list[Finding] | None, observed: int) -> str:
-    """The metadata / report line: "learning: ok over 20 steps" or the findings."""
+def _adapter(name: str) -> str:
+    """The adapter a factor's name belongs to: "blocks.0.attn.q (down)" -> "blocks.0.attn.q"; a plain parameter
+    name -> its module ("lora.down" -> "lora"; "down" -> "")."""
+    if name.endswith(")") and " (" in name:
+        return name.rsplit(" (", 1)[0]
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def summary(findings: list[Finding] | None, observed: int, unused: list[str] = ()) -> str:
+    """The metadata / report line: "learning: ok over 20 steps ..." or the findings; ``unused``: adapters no
+    gradient reached at all, noted after."""
     if findings is None:
         return f"learning: not checked (fewer than {MIN_STEPS} steps)"
+    note = ""
+    if unused:
+        names = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        note = (f"; note: {len(unused)} adapter{'s' if len(unused) != 1 else ''} got no gradient at all in {observed} "
+                f"steps, so their output does not reach the loss ({names}): they train nothing (exclude them from "
+                "the targets to save their memory)")
     if not findings:
-        return f"learning: ok over {observed} steps (every factor that got gradients moved)"
+        return f"learning: ok over {observed} steps (every factor that got gradients moved){note}"
     return f"learning: {len(findings)} finding{'s' if len(findings) != 1 else ''} over {observed} steps: " + "; ".join(
-        f.text() for f in findings)
+        f.text() for f in findings) + note

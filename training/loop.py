@@ -20,6 +20,7 @@ from .distributed import DataParallel, active
 from .grad import recompute_check
 from .guard import NanGuard, all_finite
 from .learning import LearningGuard, summary as learning_summary
+from .validation import held_out, validation_loss
 from .masters import MasterWeights
 from .optim import apply_lr, build_optimizer, lr_multiplier, schedule_free
 from .outcome import Outcome, judge
@@ -87,6 +88,7 @@ class StepReport:
     lr: float
     sigma: float
     dop: float | None
+    val_loss: float | None = None  # the held-out validation loss measured after this step (validate_every_n_steps)
 
 
 @dataclass
@@ -139,8 +141,10 @@ class _Run:
     """Live objects of one call of ``train`` (optimizer, generator, guard). Not part of the public API."""
 
     def __init__(self, module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings,
-                 seed: int, state: TrainingState | None, parallel: DataParallel | None = None) -> None:
-        self.module, self.data, self.fns, self.s, self.seed = module, data, fns, settings, seed
+                 seed: int, state: TrainingState | None, parallel: DataParallel | None = None,
+                 validation: Sequence[Sample] = ()) -> None:
+        self.module, self.fns, self.s, self.seed = module, fns, settings, seed
+        self.data, self.validation = list(data), list(validation)
         self.parallel = parallel
         self.names = {id(p): n for n, p in module.named_parameters()}
         self.gen = torch.Generator().manual_seed(seed)
@@ -157,6 +161,10 @@ class _Run:
         self.views = self._views(state)
         self.guard.snapshot(self.step, self.guarded(), self.optimizer)
         self.learning = self._learning_guard()
+
+    def validate(self) -> float:
+        """The held-out loss now (``training.validation``): eval mode, no gradients, fixed noise and timesteps."""
+        return validation_loss(self.module, self.validation, self.fns, self.s)
 
     def _learning_guard(self) -> LearningGuard | None:
         """The learning guard over the module's trainable parameters (what is saved) and what the optimizer
@@ -380,6 +388,27 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(tensors)
 
 
+def _validation_split(data: Sequence[Sample], validation: Sequence[Sample] | None, settings: TrainSettings,
+                      seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(training samples, validation samples) as the settings ask; ValueError for what cannot be honoured (a
+    validation set or held-out fraction nobody measures, both at once, a measurement without samples)."""
+    given = list(validation or ())
+    every, fraction = settings.validate_every_n_steps, settings.validation_fraction
+    if given and fraction > 0:
+        raise ValueError(f"a validation set is connected and validation_fraction={fraction:g} holds out training "
+                         "samples too; use one: disconnect the validation set or set validation_fraction to 0")
+    if (given or fraction > 0) and every == 0:
+        what = "a validation set is connected" if given else f"validation_fraction={fraction:g} holds out samples"
+        raise ValueError(f"{what} but validate_every_n_steps is 0, so no validation loss would be measured; set "
+                         "validate_every_n_steps (e.g. 25) or remove the validation data")
+    if every > 0 and not given and fraction == 0:
+        raise ValueError(f"validate_every_n_steps={every} needs validation samples: connect validation_latents and "
+                         "validation_conditioning on Train LoRA, or set validation_fraction (e.g. 0.1)")
+    if given:
+        return list(data), given
+    return held_out(data, fraction, seed)
+
+
 def _learning_check(run: _Run, result: RunResult, last: bool) -> bool:
     """Run the learning guard's check when it is due; True when it found something and its mode is "stop"."""
     guard = run.learning
@@ -397,7 +426,8 @@ def _learning_check(run: _Run, result: RunResult, last: bool) -> bool:
             result.learning = learning_summary(None, guard.observed)
         return False
     findings = guard.check()
-    result.learning, result.learning_findings = learning_summary(findings, guard.observed), len(findings)
+    result.learning = learning_summary(findings, guard.observed, guard.unused)
+    result.learning_findings = len(findings)
     if findings:
         log.warning("training step %d: %s", run.step, result.learning)
     return bool(findings) and guard.mode == "stop"
@@ -439,7 +469,8 @@ def _param_groups(module: nn.Module, settings: TrainSettings) -> list[dict]:
 
 def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: TrainSettings, steps: int,
           seed: int = 0, state: TrainingState | None = None, hooks: Hooks | None = None,
-          hand_over: bool = False, parallel: DataParallel | None = None) -> RunResult:
+          hand_over: bool = False, parallel: DataParallel | None = None,
+          validation: Sequence[Sample] | None = None) -> RunResult:
     """Run ``steps`` optimizer steps on ``module``'s parameters (trained in place), continuing ``state``.
 
     Autograd must be enabled by the caller (see ``training.grad.autograd_enabled``). Raises ValueError on
@@ -448,14 +479,17 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     the final state may share the module's CPU parameters instead of holding a second copy of them.
     ``parallel``: this process's share of a data-parallel run (``training.distributed``); default: the
     run registered with ``training.distributed.activate``, if any.
+    ``validation``: samples the held-out loss is measured on every ``validate_every_n_steps`` steps (or none:
+    ``validation_fraction`` of ``data`` held out by the run's seed; ``training.validation``).
     """
+    data, validation = _validation_split(data, validation, settings, state.seed if state is not None else seed)
     _check_inputs(data, steps, settings, fns)
     hooks = hooks or Hooks()
     parallel = parallel if parallel is not None else active()
     if parallel is not None:
         hooks = parallel.wrap(hooks)
     was_training = module.training
-    run = _Run(module, data, fns, settings, seed, state, parallel)
+    run = _Run(module, data, fns, settings, seed, state, parallel, validation)
     result = RunResult()
     start = (run.step, run.guard.skipped, run.guard.rollbacks, len(run.history), run.guard.discarded)
     module.train(True)
@@ -471,7 +505,10 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 result.stopped, result.reason = True, "interrupt"
                 log.info("training interrupted during step %d", run.step + 1)
                 break
-            report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"])
+            if run.validation and run.step % settings.validate_every_n_steps == 0:
+                point["val_loss"] = run.validate()  # in the history too: a resumed run's curve continues it
+            report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"],
+                                point.get("val_loss"))
             with run.views.view(run.views.preview if hooks.views_on_step else None):  # previews: averaged / EMA weights
                 action = hooks.on_step(report) if hooks.on_step else None
             if action is not None and action not in ACTIONS:

@@ -74,6 +74,8 @@ class TrainSettings:
     ram_budget_gb: str = "auto"     # with a VRAM plan: host memory it may keep ("auto": available now; "0"/"off": unchecked)
     learning_guard: str = "warn"    # LEARNING_GUARDS: name factors that do not learn (warn), also end the run (stop), off
     learning_guard_steps: int = 20  # the learning guard's window: the first N optimizer steps of each call
+    validate_every_n_steps: int = 0  # the held-out validation loss after every N-th step (0 = off)
+    validation_fraction: float = 0.0  # without a validation set: this share of the samples held out (by seed)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,6 +123,9 @@ class TrainSettings:
             raise _err("shift", self.shift, "must be > 0 (1 = no shift, > 1 favours high noise)")
         if self.dop_multiplier < 0:
             raise _err("dop_multiplier", self.dop_multiplier, "must be >= 0 (0 disables DOP)")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise _err("validation_fraction", self.validation_fraction, "must be in [0, 1) (0 = no samples held out, "
+                       "0.1 typical)")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
         self._validate_ema()
@@ -186,7 +191,7 @@ class TrainSettings:
     def _validate_counts(self) -> None:
         minimums = {"warmup_steps": 0, "schedule_steps": 1, "restarts": 1, "batch_size": 1, "grad_accum": 1,
                     "dop_every_n": 1, "checkpoint_every": 0, "nan_patience": 1, "swap_blocks": 0,
-                    "learning_guard_steps": 2}
+                    "learning_guard_steps": 2, "validate_every_n_steps": 0}
         for field, low in minimums.items():
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -85,7 +85,7 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
             f"PrecisionTrainLoRA: input 'vram_budget_gb'={cfg.vram_budget_gb!r} of "
             f"PrecisionTrainSettings: no plan fits {budget:g} GiB: the smallest, {base} base, {least.describe()}, is est. "
             f"{least.peak_gib} GiB (of which {CUDA_CONTEXT_GIB + WORKSPACE_GIB:g} GiB CUDA context and workspaces) "
-            f"+ {least.margin_gib:g} GiB safety margin; "
+            f"+ {_gib_text(least.margin_gib)} safety margin; "
             f"raise vram_budget_gb, lower the resolution, rank or batch size, {_smaller_base(base)}"
             "or set vram_budget_gb to 0 to train without planning")
     line = f"{what}: {base} base, {plan.describe()}: est. {plan.peak_gib} GiB of {budget:g}" + _margin_text(plan)
@@ -104,8 +104,12 @@ def plan_budget(model: Any, cfg: TrainSettings, latents: list, conditioning: lis
 def _margin_text(plan: Plan) -> str:
     """" (with 0.14 GiB of LoRA sets kept beside the trained one; 0.23 GiB more kept free as safety margin)"."""
     kept = f"with {plan.upstream_gib:g} GiB of LoRA sets kept beside the trained one; " if plan.upstream_gib else ""
-    margin = f"{plan.margin_gib:g} GiB" if plan.margin_gib else "under 0.01 GiB"
-    return f" ({kept}{margin} more kept free as safety margin)"
+    return f" ({kept}{_gib_text(plan.margin_gib)} more kept free as safety margin)"
+
+
+def _gib_text(gib: float) -> str:
+    """A plan's figure (rounded to 0.01 GiB) as the reports write it; 0 as "under 0.01 GiB"."""
+    return f"{gib:g} GiB" if gib else "under 0.01 GiB"
 
 
 def _paid_lora_bytes(model: Any, device: torch.device) -> int:

@@ -95,9 +95,10 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
-def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], prefix: str) -> tuple[str, str, str]:
-    """Write ``<prefix>_NNNNN_.png`` and ``.csv`` (step, loss, smoothed) into the output folder.
-    Returns (png filename, subfolder, png path)."""
+def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], prefix: str,
+               validation: dict[int, float] | None = None) -> tuple[str, str, str]:
+    """Write ``<prefix>_NNNNN_.png`` and ``.csv`` (step, loss, smoothed, and val_loss on the steps that measured it
+    when the run validated) into the output folder. Returns (png filename, subfolder, png path)."""
     import folder_paths
 
     out_dir = folder_paths.get_output_directory()
@@ -105,7 +106,12 @@ def save_curve(img: Image.Image, losses: list[float], smoothed: list[float], pre
     os.makedirs(folder, exist_ok=True)
     base = os.path.join(folder, f"{name}_{counter:05}_")
     atomic_write(base + ".png", lambda tmp: img.save(tmp, format="PNG"))
-    rows = "step,loss,smoothed\n" + "".join(f"{i + 1},{v!r},{s!r}\n" for i, (v, s) in enumerate(zip(losses, smoothed)))
+    if validation:
+        rows = "step,loss,smoothed,val_loss\n" + "".join(
+            f"{i + 1},{v!r},{s!r},{validation[i + 1]!r}\n" if i + 1 in validation else f"{i + 1},{v!r},{s!r},\n"
+            for i, (v, s) in enumerate(zip(losses, smoothed)))
+    else:
+        rows = "step,loss,smoothed\n" + "".join(f"{i + 1},{v!r},{s!r}\n" for i, (v, s) in enumerate(zip(losses, smoothed)))
     atomic_write(base + ".csv", lambda tmp: _write_text(tmp, rows))
     return os.path.basename(base + ".png"), subfolder, base + ".png"
 
@@ -118,7 +124,8 @@ class PrecisionLossGraph(PrecisionNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=NODE, display_name="Precision Loss Graph", category="precision_lora/train",
-            description="Draws the loss history (raw + smoothed) and saves the learning curve as PNG and CSV.",
+            description="Draws the loss history (raw + smoothed) and saves the learning curve as PNG and CSV (with "
+                        "the validation loss, when the run measured one).",
             inputs=[
                 LossMapType.Input("loss", tooltip="loss_map from PrecisionTrainLoRA (or ComfyUI's TrainLoraNode)."),
                 io.Float.Input("smoothing", default=0.9, min=0.0, max=0.999, step=0.001,
@@ -138,7 +145,9 @@ class PrecisionLossGraph(PrecisionNode):
                 filename_prefix: str) -> io.NodeOutput:
         losses = finite_losses(loss)
         img = draw_curve(losses, smoothing, log_scale, width, height)
-        name, subfolder, _ = save_curve(img, losses, smooth(losses, smoothing), filename_prefix)
+        curve = loss.get("val_loss") if isinstance(loss, dict) else None
+        validation = {int(st): float(v) for st, v in curve} if curve else None
+        name, subfolder, _ = save_curve(img, losses, smooth(losses, smoothing), filename_prefix, validation)
         tensor = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
         return io.NodeOutput(tensor, ui=ui.SavedImages([ui.SavedResult(name, subfolder, io.FolderType.output)]))
 

@@ -4,6 +4,7 @@ Defaults come from ``TrainSettings``; every option list from the registry that i
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -153,6 +154,15 @@ def _ema_inputs() -> list:
         io.Int.Input("learning_guard_steps", default=DEFAULTS.learning_guard_steps, min=2, max=100000, step=1,
                      optional=True, tooltip="The learning guard's window: it checks after this many optimizer steps "
                                             "of each run (a shorter run: at its end)."),
+        io.Int.Input("validate_every_n_steps", default=DEFAULTS.validate_every_n_steps, min=0, max=1000000, step=1,
+                     optional=True, tooltip="Held-out validation loss after every N-th optimizer step (0 = off): "
+                                            "fixed noise and timesteps, no dropout, so resumed and chained runs give "
+                                            "the same curve. Needs a validation set on Train LoRA or "
+                                            "validation_fraction. docs/training.md."),
+        io.Float.Input("validation_fraction", default=DEFAULTS.validation_fraction, min=0.0, max=0.9, step=0.01,
+                       optional=True, tooltip="Without a validation set on Train LoRA: this share of the training "
+                                              "samples is held out (chosen by the run's seed) and validated on, not "
+                                              "trained on. 0 = none."),
     ]
 
 
@@ -237,6 +247,9 @@ def _step_hook(job, node_id: str | None, prompt_id: str | None, steps: int, star
         if line is not None:
             page.console(line)
         point = {"step": r.step, "loss": r.loss, "lr": r.lr, "sigma": r.sigma}
+        if r.val_loss is not None:
+            point["val_loss"] = r.val_loss
+            page.console(f"PrecisionTrainLoRA: step {r.step}: validation loss {r.val_loss:.6g}")
         job.add_point(point)
         page.send("precision_lora.train_step", {"node": node_id, "prompt_id": prompt_id, "total": start + steps, **point})
         if mm.processing_interrupted():
@@ -266,6 +279,11 @@ class PrecisionTrainLoRA(PrecisionNode):
 
     @classmethod
     def check(cls, values: dict) -> str | None:
+        if ("validation_latents" in values) != ("validation_conditioning" in values):
+            have, need = (("validation_latents", "validation_conditioning") if "validation_latents" in values
+                          else ("validation_conditioning", "validation_latents"))
+            return (f"input '{have}' is connected but input '{need}' is not; connect both (the validation set's "
+                    "latents and their conditioning) or neither")
         for name in ("empty_conditioning", "class_conditioning"):  # rules across nodes (graph_checks)
             refused = refusal(values.get(name))
             if refused:
@@ -308,6 +326,13 @@ class PrecisionTrainLoRA(PrecisionNode):
                                           tooltip="From PrecisionPreviewSettings: sample images every N steps, shown on this node and saved as output/precision_lora/previews/<name>/<name>_step<N>_<i>.png. Training is identical with or without."),
                 io.Conditioning.Input("empty_conditioning", optional=True,
                                       tooltip="The empty caption (CLIPTextEncode with an empty text) for caption_dropout in the settings; needed only when caption_dropout > 0."),
+                io.Latent.Input("validation_latents", optional=True,
+                                tooltip="A validation set (images the LoRA does not train on), encoded as the training "
+                                        "latents: its loss is measured every validate_every_n_steps (Train Settings). "
+                                        "Connect validation_conditioning with it."),
+                io.Conditioning.Input("validation_conditioning", optional=True,
+                                      tooltip="The validation set's conditioning: one for all, one per sample or one "
+                                              "per LATENT, as conditioning."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The model with the trained LoRA active."),
@@ -321,7 +346,8 @@ class PrecisionTrainLoRA(PrecisionNode):
 
     @classmethod
     def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
-                training_state=None, resume_from=None, preview=None, empty_conditioning=None) -> io.NodeOutput:
+                training_state=None, resume_from=None, preview=None, empty_conditioning=None,
+                validation_latents=None, validation_conditioning=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
         resume = (_flat(resume_from, "") or "").strip()
@@ -343,7 +369,7 @@ class PrecisionTrainLoRA(PrecisionNode):
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
-                          empty_conditioning, node_id, cont.changes)
+                          empty_conditioning, node_id, cont.changes, (validation_latents, validation_conditioning))
         finally:
             finish_job(job, stopped=result is not None and result.stopped)
         outcome = result.outcome
@@ -365,12 +391,19 @@ class PrecisionTrainLoRA(PrecisionNode):
             raise ValueError(f"PrecisionTrainLoRA: the run failed ({outcome.summary()}): {outcome.problem}"
                              f"{exploded_note(moved, kept)}")
         images, shown = node_outputs(previewer)
-        return io.NodeOutput(out, result.state, {"loss": result.state.losses()}, result.state.step, images, ui=shown)
+        curve = validation_curve(result.state)
+        loss_map = {"loss": result.state.losses(), **({"val_loss": curve} if curve else {})}
+        return io.NodeOutput(out, result.state, loss_map, result.state.step, images, ui=shown)
+
+
+def validation_curve(state: TrainingState) -> list[list]:
+    """[[step, validation loss], ...] of the whole run (chained and resumed calls included)."""
+    return [[p["step"], p["val_loss"]] for p in state.history if p.get("val_loss") is not None]
 
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
-         changes: tuple[str, ...] = ()):
+         changes: tuple[str, ...] = (), validation: tuple = (None, None)):
     # before anything is loaded onto the device
     # the plan decides what the session runs with; the run (its training state) keeps what the user set
     plan = plan_step(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
@@ -389,11 +422,21 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         lora_set.info.update(training_metadata(plan.session, report.sizes, report.samples, start + steps, seed if state is None
                                                else state.seed))
         samples = with_empty_caption(model, samples, empty_conditioning, cfg, device)
+        held = None
+        if validation[0] is not None:
+            held, held_report = build_dataset(model, validation[0], validation[1], None, device)
+            log.info("PrecisionTrainLoRA: validation set: %s", held_report.summary())
         fns = model_fns(model, lora_set, cfg, device)
         if isinstance(hooks.on_step, PreviewStepHook):
             hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
-            result = train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True)
+            result = train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True,
+                           validation=held)
+            curve = validation_curve(result.state)
+            if curve:
+                best = min(curve, key=lambda p: p[1])
+                lora_set.info["precision_lora_validation"] = json.dumps(curve)
+                lora_set.info["precision_lora_validation_best"] = f"{best[1]:.6g} at step {best[0]}"
             if result.learning:
                 lora_set.info["precision_lora_learning"] = result.learning
                 log.info("PrecisionTrainLoRA: %s", result.learning)

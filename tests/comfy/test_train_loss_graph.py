@@ -57,3 +57,15 @@ def test_node_saves_png_and_csv_and_returns_image(lg):
     with open(path[:-4] + ".csv", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     assert [float(r["loss"]) for r in rows] == [1.0, 0.8, 0.5, 0.45]
+
+
+def test_the_csv_carries_the_validation_loss_on_the_steps_that_measured_it(lg):
+    import folder_paths
+
+    out = lg.PrecisionLossGraph.execute({"loss": [1.0, 0.8, 0.6, 0.5], "val_loss": [[2, 0.9], [4, 0.7]]}, 0.5, False,
+                                        256, 128, "precision_lora/test_val_loss")
+    saved = out.ui.as_dict()["images"][0]
+    path = os.path.join(folder_paths.get_output_directory(), saved["subfolder"], saved["filename"])
+    with open(path[:-4] + ".csv", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["val_loss"]) for r in rows] == [("1", ""), ("2", "0.9"), ("3", ""), ("4", "0.7")]

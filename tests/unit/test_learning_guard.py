@@ -53,10 +53,25 @@ def test_a_frozen_factor_is_named(monkeypatch):
 
 
 def test_a_zeroed_gradient_hook_is_named():
+    """lora_down's gradients zeroed by a hook while lora_up learns."""
     net = ToyNet(DIM)
-    net.lora.up.register_hook(torch.zeros_like)
+    with torch.no_grad():
+        net.lora.up.fill_(0.1)  # up learns from step 1; down's gradient would be non-zero from step 1 too
+    net.lora.down.register_hook(torch.zeros_like)
     result = _run(net)
-    assert set(_kinds(result)) == {"zero gradients"} and "(1 factor: up)" in result.learning, result.learning
+    assert set(_kinds(result)) == {"zero gradients"} and "(1 factor: down)" in result.learning, result.learning
+
+
+def test_an_adapter_no_gradient_reaches_is_a_note_not_a_finding():
+    """Both factors without a gradient (as the last block's text query of a model without single-stream blocks,
+    whose text outputs are dropped): the line notes it, the run is ok and 'stop' does not stop."""
+    net = ToyNet(DIM)
+    for factor in (net.lora.down, net.lora.up):
+        factor.register_hook(torch.zeros_like)
+    result = _run(net, learning_guard="stop")
+    assert result.learning.startswith("learning: ok over 10 steps (every factor that got gradients moved); note: 1 "
+                                      "adapter got no gradient at all in 10 steps"), result.learning
+    assert result.outcome.ok and not result.stopped
 
 
 def test_bf16_factors_with_a_tiny_learning_rate_are_below_resolution():
@@ -87,16 +102,18 @@ def test_a_collapsed_gradient_norm_is_named():
 
 def test_stop_ends_the_run_at_the_check_and_the_outcome_fails():
     net = ToyNet(DIM)
-    net.lora.up.register_hook(torch.zeros_like)
+    with torch.no_grad():
+        net.lora.up.fill_(0.1)
+    net.lora.down.register_hook(torch.zeros_like)
     result = _run(net, steps=30, learning_guard="stop")
     assert result.stopped and result.reason == "learning" and result.state.step == 10
     assert not result.outcome.ok and "the learning guard stopped the run at step 10 (learning: 1 finding over 10 " \
-        "steps: zero gradients (1 factor: up)" in result.outcome.problem
+        "steps: zero gradients (1 factor: down)" in result.outcome.problem
 
 
 def test_off_checks_nothing_and_a_short_call_is_checked_at_its_end():
     net = ToyNet(DIM)
-    net.lora.up.register_hook(torch.zeros_like)
+    net.lora.down.register_hook(torch.zeros_like)
     assert _run(net, learning_guard="off").learning == ""
     short = _run(ToyNet(DIM), steps=3)
     assert short.learning == "learning: ok over 3 steps (every factor that got gradients moved)"
