@@ -164,7 +164,7 @@ class _Run:
 
     def validate(self) -> float:
         """The held-out loss now (``training.validation``): eval mode, no gradients, fixed noise and timesteps."""
-        return validation_loss(self.module, self.validation, self.fns, self.s)
+        return validation_loss(self.module, self.validation, self.fns, self.s.loss_weighting, denoising_loss)
 
     def _learning_guard(self) -> LearningGuard | None:
         """The learning guard over the module's trainable parameters (what is saved) and what the optimizer

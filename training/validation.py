@@ -13,13 +13,9 @@ sample per pass. Pure torch, no ComfyUI.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-
-if TYPE_CHECKING:
-    from .loop import ModelFns, Sample
-    from .settings import TrainSettings
 
 VALIDATION_U = (0.2, 0.4, 0.6, 0.8)
 NOISE_SEED = 0x5EED_0000  # + the sample's index: the validation noise of sample i
@@ -40,11 +36,10 @@ def held_out(data: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any]
 
 
 @torch.no_grad()
-def validation_loss(module: torch.nn.Module, samples: Sequence["Sample"], fns: "ModelFns",
-                    settings: "TrainSettings") -> float:
-    """The mean denoising loss of ``samples`` at ``VALIDATION_U`` with fixed noise (module docstring)."""
-    from .loop import denoising_loss
-
+def validation_loss(module: torch.nn.Module, samples: Sequence[Any], fns: Any, weighting: str,
+                    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The mean denoising loss of ``samples`` (``loop.Sample``) at ``VALIDATION_U`` with fixed noise (module
+    docstring); ``fns``: the run's ``loop.ModelFns``; ``loss``: the run's (``loop.denoising_loss``)."""
     was = module.training
     module.train(False)
     try:
@@ -55,9 +50,9 @@ def validation_loss(module: torch.nn.Module, samples: Sequence["Sample"], fns: "
             gen = torch.Generator().manual_seed(NOISE_SEED + i)
             noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(fns.device)
             u = torch.tensor(VALIDATION_U, dtype=torch.float64)
-            loss, _ = denoising_loss(fns, fns.predict, x0, noise, u, fns.sigma_of_u(u), fns.collate([sample.cond] * rows),
-                                     settings.loss_weighting)
-            total += float(loss)
+            value, _ = loss(fns, fns.predict, x0, noise, u, fns.sigma_of_u(u), fns.collate([sample.cond] * rows),
+                            weighting)
+            total += float(value)
         return total / max(1, len(samples))
     finally:
         module.train(was)

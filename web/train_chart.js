@@ -8,7 +8,7 @@ import { createOwners, eventKey, graphIdentity, historyKey, seriesKey } from "./
 import { checkpointLine, showLine } from "./lib/checkpoint_line.js";
 import { addPanel, chain, panelDiv } from "./lib/hooks.js";
 import {
-  addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText,
+  addEvent, addHistory, createSeries, downsample, layout, markDone, smooth, statusText, validationPoints,
 } from "./lib/series.js";
 
 const NODE_TYPE = "PrecisionTrainLoRA";
@@ -66,8 +66,10 @@ function drawChart(canvas, series) {
   ctx.fillRect(0, 0, cssWidth, cssHeight);
   const raw = downsample(series.points, MAX_DRAWN_POINTS);
   const smoothed = downsample(smooth(series.points, SMOOTHING), MAX_DRAWN_POINTS);
-  const g = layout(raw, smoothed, { width: cssWidth, height: cssHeight, pad: 8 });
+  const val = validationPoints(series.points);
+  const g = layout(raw, smoothed, { width: cssWidth, height: cssHeight, pad: 8 }, val);
   canvas.dataset.points = String(series.points.length);
+  canvas.dataset.validationPoints = String(g.validation.length);
   if (!g.raw.length) return;
   const line = (pts, color, width) => {
     ctx.beginPath();
@@ -78,6 +80,11 @@ function drawChart(canvas, series) {
   };
   line(g.raw, "rgba(120,170,255,0.45)", 1);
   line(g.smoothed, "rgba(255,190,80,1)", 2);
+  if (g.validation.length) {
+    line(g.validation, "rgba(110,220,130,1)", 2);
+    ctx.fillStyle = "rgba(110,220,130,1)";
+    for (const p of g.validation) ctx.fillRect(p.x - 2, p.y - 2, 4, 4);
+  }
   ctx.fillStyle = "rgba(255,255,255,0.75)";
   ctx.font = "10px sans-serif";
   ctx.textAlign = "left";
@@ -89,6 +96,10 @@ function drawChart(canvas, series) {
   ctx.fillText("raw", cssWidth - 70, 16);
   ctx.fillStyle = "rgba(255,190,80,1)";
   ctx.fillText("smoothed", cssWidth - 10, 16);
+  if (g.validation.length) {
+    ctx.fillStyle = "rgba(110,220,130,1)";
+    ctx.fillText("validation", cssWidth - 10, 28);
+  }
 }
 
 function render(nodeId) {

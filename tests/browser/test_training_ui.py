@@ -24,6 +24,7 @@ pytestmark = pytest.mark.browser
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIRST_TRAIN, SECOND_TRAIN = 7, 11  # node ids in workflows/train_lora_demo.json
 PATCH, SETTINGS = 2, 4  # its Patch Attention and Train Settings
+VALIDATE_EVERY = 5
 # Set on the page before Run, so that the inference test below can see the LoRA at work: the demo's 1e-4 for the
 # ~15 steps this session trains moves no pixel of the 8-bit image, and its 1x scale would equal 'attention: ignore'
 # (0.8x moved 6 % of the pixels on 0.33.0 and none by more than one level on 0.3.75: too little to be sure of).
@@ -52,6 +53,7 @@ CHART_STATE = """(id) => {
   if (!root) return null;
   return {
     points: Number(root.querySelector("canvas").dataset.points || 0),
+    validation: Number(root.querySelector("canvas").dataset.validationPoints || 0),
     status: root.querySelector("[data-precision-status]").textContent,
     message: root.querySelector("[data-precision-message]").textContent,
     done: root.dataset.done === "true",
@@ -143,6 +145,9 @@ def _training_run(page, comfy_server) -> dict:
     assert page.evaluate(SET_WIDGET, [FIRST_TRAIN, "steps", LONG_RUN_STEPS]) == LONG_RUN_STEPS
     assert page.evaluate(SET_WIDGET, [SECOND_TRAIN, "steps", 3]) == 3
     assert page.evaluate(SET_WIDGET, [SETTINGS, "learning_rate", TRAIN_LR]) == TRAIN_LR
+    # the validation loss: one of the demo's two samples held out, measured every VALIDATE_EVERY steps
+    assert page.evaluate(SET_WIDGET, [SETTINGS, "validate_every_n_steps", VALIDATE_EVERY]) == VALIDATE_EVERY
+    assert page.evaluate(SET_WIDGET, [SETTINGS, "validation_fraction", 0.5]) == 0.5
     assert page.evaluate(SET_WIDGET, [PATCH, "scale_value", TRAIN_SCALE_MULTIPLIER]) == TRAIN_SCALE_MULTIPLIER
     fit_view(page)
     page.screenshot("train_01_loaded")
@@ -193,6 +198,14 @@ def _training_run(page, comfy_server) -> dict:
 
 def test_chart_fills_while_training_runs(training_run):
     assert training_run["points_running"] >= 10
+
+
+def test_the_chart_draws_the_validation_loss_beside_the_training_loss(training_run):
+    """Every VALIDATE_EVERY-th step's validation loss is a point of the chart's own series, live and after the
+    page reload mid-run (replayed from the server's history)."""
+    state = training_run["stopped_state"]
+    step = int(state["status"].split("step ")[1].split("/")[0])
+    assert state["validation"] == step // VALIDATE_EVERY >= 2, state
 
 
 def test_chart_survives_a_page_reload_during_the_run(training_run):

@@ -1,14 +1,17 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import {
-  createSeries, toPoint, addEvent, addHistory, markDone, smooth, downsample, lossRange, layout,
+  createSeries, toPoint, addEvent, addHistory, markDone, smooth, downsample, lossRange, layout, validationPoints,
   nonFiniteCount, formatNumber, statusText,
 } from "../../web/lib/series.js";
 
 const ev = (step, loss, extra = {}) => ({ node: "7", prompt_id: "p", step, total: 100, loss, lr: 1e-4, sigma: 0.5, ...extra });
 
 test("toPoint keeps numbers and maps JSON stand-ins for non-finite losses", () => {
-  assert.deepEqual(toPoint(ev(3, 0.25)), { step: 3, loss: 0.25, lr: 1e-4, sigma: 0.5 });
+  const p = toPoint(ev(3, 0.25));
+  assert.ok(Number.isNaN(p.val), "a step that measured no validation loss");
+  assert.deepEqual({ ...p, val: undefined }, { step: 3, loss: 0.25, lr: 1e-4, sigma: 0.5, val: undefined });
+  assert.equal(toPoint({ ...ev(4, 0.2), val_loss: 0.3 }).val, 0.3);
   assert.ok(Number.isNaN(toPoint(ev(1, null)).loss));
   assert.ok(Number.isNaN(toPoint(ev(1, "nan")).loss));
   assert.equal(toPoint(ev(1, "inf")).loss, Infinity);
@@ -141,6 +144,23 @@ test("layout maps steps and losses into the box, flipping y", () => {
   assert.ok(flat.yMin < 3 && flat.yMax > 3, "a flat series gets a non-empty y range");
   assert.ok(Number.isFinite(flat.raw[0].x) && Number.isFinite(flat.raw[0].y));
   assert.deepEqual(layout([], [], { width: 10, height: 10 }).raw, []);
+});
+
+test("the validation loss is its own series on the same axes", () => {
+  const s = createSeries();
+  addEvent(s, { ...ev(1, 2), prompt_id: "p" });
+  addEvent(s, { ...ev(2, 1), prompt_id: "p", val_loss: 3 });
+  addEvent(s, { ...ev(3, 0.5), prompt_id: "p" });
+  addEvent(s, { ...ev(4, 0), prompt_id: "p", val_loss: 1 });
+  const val = validationPoints(s.points);
+  assert.deepEqual(val, [{ step: 2, loss: 3 }, { step: 4, loss: 1 }]);
+  const g = layout(s.points, [], { width: 108, height: 58, pad: 4 }, val);
+  assert.equal(g.yMax, 3, "the range covers the validation loss above the training loss");
+  // steps 1..4 span x 4..104, losses 0..3 span y 54..4
+  const want = [[4 + 100 / 3, 4], [104, 4 + 50 * (1 - 1 / 3)]];
+  g.validation.forEach((p, i) => {
+    assert.ok(Math.abs(p.x - want[i][0]) < 1e-9 && Math.abs(p.y - want[i][1]) < 1e-9, JSON.stringify([p, want[i]]));
+  });
 });
 
 test("lossRange, nonFiniteCount and formatNumber", () => {

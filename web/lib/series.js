@@ -1,7 +1,8 @@
 // Pure logic of the loss chart: training events -> series, smoothing, downsampling, chart geometry.
 // No DOM and no ComfyUI here, so tests/js can run it under `node --test`.
 
-/** An empty loss series. `points` are {step, loss, lr, sigma}, strictly increasing in step. */
+/** An empty loss series. `points` are {step, loss, lr, sigma, val}, strictly increasing in step (`val`: the
+ * validation loss measured after that step, NaN on steps that measured none). */
 export function createSeries() {
   return {
     points: [], total: null, lastLr: null, done: false, stopped: false, failed: false, checkpoint: null, promptId: null,
@@ -26,7 +27,7 @@ export function toPoint(ev) {
   if (!ev || typeof ev !== "object") return null;
   const step = Number(ev.step);
   if (!Number.isInteger(step) || step < 0) return null;
-  return { step, loss: toNumber(ev.loss), lr: toNumber(ev.lr), sigma: toNumber(ev.sigma) };
+  return { step, loss: toNumber(ev.loss), lr: toNumber(ev.lr), sigma: toNumber(ev.sigma), val: toNumber(ev.val_loss) };
 }
 
 /**
@@ -191,13 +192,16 @@ export function lossRange(...lists) {
 
 /**
  * Pixel coordinates for drawing: maps steps to [left, right] and losses to [bottom, top] of a box
- * `{width, height, pad}`. Returns {raw, smoothed, yMin, yMax, xMin, xMax}, each list of {x, y, step, loss}
- * with non-finite losses dropped (they are reported in the status line instead).
+ * `{width, height, pad}`. Returns {raw, smoothed, validation, yMin, yMax, xMin, xMax}, each list of
+ * {x, y, step, loss} with non-finite losses dropped (they are reported in the status line instead).
+ * `validation`: {step, loss} points of the validation loss, on the same axes (the range covers them).
  */
-export function layout(raw, smoothed, { width, height, pad = 4 }) {
-  const range = lossRange(raw, smoothed);
+export function layout(raw, smoothed, { width, height, pad = 4 }, validation = []) {
+  const range = lossRange(raw, smoothed, validation);
   const all = raw.length ? raw : smoothed;
-  if (!range || !all.length) return { raw: [], smoothed: [], yMin: null, yMax: null, xMin: null, xMax: null };
+  if (!range || !all.length) {
+    return { raw: [], smoothed: [], validation: [], yMin: null, yMax: null, xMin: null, xMax: null };
+  }
   let { min, max } = range;
   if (max - min < 1e-12) {
     const d = Math.abs(max) * 0.05 || 1e-3;
@@ -218,11 +222,17 @@ export function layout(raw, smoothed, { width, height, pad = 4 }) {
   return {
     raw: raw.filter(finite).map(map),
     smoothed: smoothed.filter(finite).map(map),
+    validation: validation.filter(finite).map(map),
     yMin: min,
     yMax: max,
     xMin,
     xMax,
   };
+}
+
+/** The validation points of a series' points, as {step, loss} (the steps that measured one). */
+export function validationPoints(points) {
+  return points.filter((p) => Number.isFinite(p.val)).map((p) => ({ step: p.step, loss: p.val }));
 }
 
 /** Count of non-finite losses (NaN / inf) in the series. */
