@@ -6,7 +6,7 @@
 # and no pytest arguments but options were given, a third run: the browser tests of the pack's page extensions on
 # ComfyUI 0.33.0 with the newest PyPI frontend (see NEWEST_FRONTEND_TESTS). Exits non-zero on any failure, including
 # "no tests collected" on a host. Each run lists its 25 slowest tests; the last line sums the runs' counts.
-# The runs go side by side in two lanes on a machine with 2+ cores (PRECISION_LORA_JOBS=1: one after another).
+# On a machine with 2+ cores and 40+ GiB available the runs go side by side in two lanes (PRECISION_LORA_JOBS=N sets it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -59,10 +59,11 @@ if [[ " ${HOSTS[*]} " == *" 0.33.0 "* ]]; then
 fi
 
 # Side by side: the runs share out over lanes (PRECISION_LORA_JOBS, default 2 when the machine has 2+ cores and
-# 14+ GiB available, else 1), each lane one run after another; on CI's 2-core machine the two hosts' runs side by side
-# take ~2/3 of the time of one after the other (docs/DEVELOPING.md, "Timings"). The runs share nothing they write but
-# .cache/ (written atomically, per process) and loopback ports (each lane takes its own: tests/ports.py). With more
-# than one lane each run's output goes to a log, printed whole when its lane ends.
+# 40+ GiB available, else 1), each lane one run after another. One run peaks near 12 GiB (its pytest process and its
+# session ComfyUI server): on CI's 24 GiB machine two lanes filled the memory and thrashed (docs/DEVELOPING.md), so
+# there the runs go one after the other. The runs share nothing they write but .cache/ (written atomically, per
+# process) and loopback ports (each lane takes its own: tests/ports.py). With more than one lane each run's output
+# goes to a log, printed whole when its lane ends.
 label_of() { if [ "$1" = frontend ]; then echo "$FRONTEND_LABEL"; else echo "$1"; fi; }
 run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<label>.xml, its exit status REPORTS/<label>.rc
   local run="$1" label rc
@@ -90,7 +91,7 @@ jobs="${PRECISION_LORA_JOBS:-auto}"
 if [ "$jobs" = auto ]; then
   avail_gib=$(awk '/^MemAvailable:/ {printf "%d", $2 / 1048576}' /proc/meminfo 2>/dev/null || echo 0)
   jobs=1
-  if [ "$(nproc)" -ge 2 ] && [ "${avail_gib:-0}" -ge 14 ]; then jobs=2; fi
+  if [ "$(nproc)" -ge 2 ] && [ "${avail_gib:-0}" -ge 40 ]; then jobs=2; fi
 fi
 case "$jobs" in ''|*[!0-9]*|0) echo "[precision-lora] PRECISION_LORA_JOBS=$jobs: use a count of runs side by side (1, 2, ...) or auto"; exit 2 ;; esac
 [ "$jobs" -le ${#runs[@]} ] || jobs=${#runs[@]}
