@@ -59,10 +59,9 @@ def _signature(tensors: list[torch.Tensor]) -> list[tuple[float, float]]:
     """(sum, 2-norm) of each tensor in float64, on the host: equal before and after means unchanged (one sync)."""
     if not tensors:
         return []
-    with torch.no_grad():
-        wide = [t.detach().double() for t in tensors]
-        sums = torch.stack([w.sum() for w in wide])
-        norms = torch.stack(torch._foreach_norm(wide))
+    with torch.no_grad():  # accumulated in float64 without a float64 copy of each tensor
+        sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors])
+        norms = torch.stack([torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors])
         both = torch.stack([sums, norms], 1).cpu().tolist()
     return [(a, b) for a, b in both]
 
