@@ -50,7 +50,8 @@ class TrainingState:
     ``ema``: the fp32 EMA shadow by parameter name (empty without EMA); ``train_lora``: when ``lora`` holds
     other weights than the ones training continues from (schedule-free's averaged weights, an EMA saved as
     the LoRA: ``training.views``), the values to continue from, else empty. ``masters`` are always the
-    values to continue from.
+    values to continue from. ``best``/``best_step``: with ``keep_best_validation``, the optimizer's fp32 values at
+    the step with the lowest validation loss so far (``training.views.Best``), by parameter name, and that step.
     """
 
     step: int
@@ -66,6 +67,8 @@ class TrainingState:
     rollbacks: int = 0
     ema: dict[str, torch.Tensor] = field(default_factory=dict)
     train_lora: dict[str, torch.Tensor] = field(default_factory=dict)
+    best: dict[str, torch.Tensor] = field(default_factory=dict)
+    best_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -90,7 +93,7 @@ def save_state(path: str, state: TrainingState) -> str:
     """Write ``state`` atomically to ``path`` (``*.trainstate``). Refuses non-finite tensors. Returns path."""
     data = state.to_dict()
     assert_finite({"lora": data["lora"], "masters": data["masters"], "optimizer": data["optimizer"]["state"],
-                   "ema": data["ema"], "train_lora": data["train_lora"]},
+                   "ema": data["ema"], "train_lora": data["train_lora"], "best": data["best"]},
                   f"training state {os.path.basename(path)}")
     atomic_write(path, lambda tmp: torch.save(data, tmp))
     return path

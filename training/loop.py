@@ -8,6 +8,7 @@ or restored from a ``TrainingState``, so N + M chained steps equal N + M steps i
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
@@ -20,6 +21,7 @@ from .distributed import DataParallel, active
 from .grad import recompute_check
 from .guard import NanGuard, all_finite
 from .learning import LearningGuard, summary as learning_summary
+from .masks import cell_weights, coverage
 from .validation import held_out, validation_loss
 from .masters import MasterWeights
 from .optim import apply_lr, build_optimizer, lr_multiplier, schedule_free
@@ -32,7 +34,7 @@ from .module_state import get_extra_rng as _get_extra_rng
 from .module_state import global_rows as _global_rows
 from .module_state import load_named as _load_named
 from .module_state import set_extra_rng as _set_extra_rng
-from .views import Ema, WeightViews, view_kinds
+from .views import Best, Ema, WeightViews, view_kinds
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class Sample:
     group: Hashable = 0
     class_cond: Any = None
     empty_cond: Any = None
+    mask: torch.Tensor | None = None  # masked loss: the mask on the latent grid (training.masks.to_grid)
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class RunResult:
     outcome: Outcome | None = None  # training.outcome.judge of this call: ok, or failed with the reason
     learning: str = ""  # the learning guard's line (training.learning.summary); "" when learning_guard is off
     learning_findings: int = 0  # how many findings that line names
+    kept_best: tuple[int, float] | None = None  # keep_best_validation: (step, validation loss) the LoRA is from
+    validation_passes: int = 0  # validation passes of this call and the seconds they took (wall clock)
+    validation_seconds: float = 0.0
 
 
 def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, fns: ModelFns) -> None:
@@ -125,6 +131,7 @@ def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, f
         raise ValueError(f"steps={steps!r}: must be an integer > 0")
     if len(data) == 0:
         raise ValueError("the dataset is empty: connect at least one latent")
+    _check_masks(data, settings)
     if settings.dop_multiplier > 0:
         if fns.predict_base is None:
             raise ValueError("DOP needs a model whose LoRA can be switched off; set dop_multiplier to 0")
@@ -135,6 +142,20 @@ def _check_inputs(data: Sequence[Sample], steps: int, settings: TrainSettings, f
         raise ValueError(f"caption_dropout={settings.caption_dropout} needs the empty caption's "
                          "conditioning; connect empty_conditioning (a text encoder's output for an empty "
                          "prompt) or set caption_dropout to 0")
+
+
+def _check_masks(data: Sequence[Sample], settings: TrainSettings) -> None:
+    """Masked loss that would train nothing, or an unmasked_weight no mask uses: refused with the fix."""
+    masked = [i for i, d in enumerate(data) if d.mask is not None]
+    weight = settings.unmasked_weight
+    if not masked and weight > 0:
+        raise ValueError(f"unmasked_weight={weight:g} weighs the latent outside the samples' masks, but no sample has "
+                         "a mask; connect mask on Train LoRA (or a LATENT with a noise_mask), or set unmasked_weight to 0")
+    empty = [i + 1 for i in masked if weight == 0 and coverage(data[i].mask) == 0]  # type: ignore[arg-type]
+    if empty:
+        raise ValueError(f"the mask of sample{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} covers no "
+                         "pixel and unmasked_weight is 0, so it would train nothing; give it a mask with a white region "
+                         "or raise unmasked_weight")
 
 
 class _Run:
@@ -164,7 +185,8 @@ class _Run:
 
     def validate(self) -> float:
         """The held-out loss now (``training.validation``): eval mode, no gradients, fixed noise and timesteps."""
-        return validation_loss(self.module, self.validation, self.fns, self.s.loss_weighting, denoising_loss)
+        return validation_loss(self.module, self.validation, self.fns, self.s.loss_weighting, denoising_loss,
+                               self.s.unmasked_weight)
 
     def _learning_guard(self) -> LearningGuard | None:
         """The learning guard over the module's trainable parameters (what is saved) and what the optimizer
@@ -197,7 +219,24 @@ class _Run:
                                  "attach the LoRA the state was trained with")
             ema.load([state.ema[n] for n in self.param_names])
         save, preview = view_kinds(schedule_free(s.optimizer), ema is not None, s.ema_save, s.ema_preview)
-        return WeightViews(self.module, self.optimizer, self.params, pairs, ema, save, preview)
+        views = WeightViews(self.module, self.optimizer, self.params, pairs, ema, save, preview)
+        if s.keep_best_validation:
+            views.best = self._best(state)
+        return views
+
+    def _best(self, state: TrainingState | None) -> Best:
+        """``keep_best_validation``'s holder: empty, or the state's best (a chained or resumed run keeps the best
+        of the whole run; its loss is the history's validation loss at that step)."""
+        best = Best()
+        if state is None or not state.best:
+            return best
+        if set(state.best) != set(self.param_names):
+            raise ValueError("the training state's best-validation LoRA does not match the attached LoRA; "
+                             "attach the LoRA the state was trained with")
+        loss = next((p.get("val_loss") for p in state.history if p["step"] == state.best_step), None)
+        if loss is not None:
+            best.offer([state.best[n] for n in self.param_names], state.best_step, float(loss))
+        return best
 
     def _restore(self, state: TrainingState) -> None:
         if state.settings.get("optimizer") != self.s.optimizer:
@@ -228,7 +267,7 @@ class _Run:
         module's parameters (only when nothing trains the module again, see ``train(hand_over=...)``)."""
         views = self.views
         masters = {self.names[id(p)]: to_cpu(views.raw_masters.get(id(m), m), not final) for p, m in self.masters.masters()}
-        ema = views.ema
+        ema, best = views.ema, views.best if views.best is not None and views.best.values else None
         return TrainingState(
             step=self.step, seed=self.seed, settings=self.s.to_dict(),
             lora={n: to_cpu(p, not (final and share_lora)) for n, p in self.module.named_parameters()},
@@ -236,7 +275,9 @@ class _Run:
             masters=masters, extra_rng=_get_extra_rng(self.module), history=[dict(p) for p in self.history],
             skipped=self.guard.skipped, rollbacks=self.guard.rollbacks,
             ema={} if ema is None else {n: to_cpu(v) for n, v in zip(self.param_names, ema.values())},
-            train_lora={} if views.raw is None else {n: to_cpu(v, False) for n, v in views.raw.items()})
+            train_lora={} if views.raw is None else {n: to_cpu(v, False) for n, v in views.raw.items()},
+            best={} if best is None else {n: v.clone() for n, v in zip(self.param_names, best.values)},
+            best_step=0 if best is None else best.step)
 
     def checkpoint(self, hooks: Hooks, reason: str, result: RunResult) -> None:
         """Write a checkpoint (in the save view: schedule-free's averaged weights, an EMA saved as the LoRA)
@@ -289,7 +330,8 @@ class _Run:
         fns, s = self.fns, self.s
         share = len(ids) / batch
         conds = [self.data[i].empty_cond if empty else self.data[i].cond for i in ids]
-        loss, x_t = denoising_loss(fns, fns.predict, x0, noise, u, sigma, fns.collate(conds), s.loss_weighting)
+        cells = cell_weights([self.data[i].mask for i in ids], s.unmasked_weight, x0)
+        loss, x_t = denoising_loss(fns, fns.predict, x0, noise, u, sigma, fns.collate(conds), s.loss_weighting, cells)
         loss = loss * share
         dop = torch.zeros((), device=loss.device)
         if dop_on:
@@ -443,13 +485,14 @@ def _abort_step(run: _Run) -> None:
 
 
 def denoising_loss(fns: ModelFns, predict: Callable[..., torch.Tensor], x0: torch.Tensor, noise: torch.Tensor,
-                   u: torch.Tensor, sigma: torch.Tensor, cond: Any, weighting: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   u: torch.Tensor, sigma: torch.Tensor, cond: Any, weighting: str,
+                   cells: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weighted denoising loss of ``predict`` on ``x0`` noised with ``noise`` at ``sigma`` (drawn at ``u``),
     the noised latent). The loss of every training step, and of the memory planner's tracked step
-    (``training.memory_step.make_step``)."""
+    (``training.memory_step.make_step``). ``cells``: masked samples' cell weights (``training.masks``)."""
     x_t = fns.noise_latent(sigma, noise, x0)
     target = fns.target(sigma, noise, x0)
-    return weighted_mse(predict(x_t, sigma, cond), target, loss_weight(weighting, u).float()), x_t
+    return weighted_mse(predict(x_t, sigma, cond), target, loss_weight(weighting, u).float(), cells), x_t
 
 
 def optimizer_parts(module: nn.Module, settings: TrainSettings,
@@ -506,7 +549,12 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
                 log.info("training interrupted during step %d", run.step + 1)
                 break
             if run.validation and run.step % settings.validate_every_n_steps == 0:
+                began = time.perf_counter()
                 point["val_loss"] = run.validate()  # in the history too: a resumed run's curve continues it
+                result.validation_passes += 1
+                result.validation_seconds += time.perf_counter() - began
+                if run.views.best is not None:
+                    run.views.best.offer(run.params, run.step, point["val_loss"])
             report = StepReport(run.step, local + 1, steps, point["loss"], point["lr"], point["sigma"], point["dop"],
                                 point.get("val_loss"))
             with run.views.view(run.views.preview if hooks.views_on_step else None):  # previews: averaged / EMA weights
@@ -536,5 +584,8 @@ def train(module: nn.Module, data: Sequence[Sample], fns: ModelFns, settings: Tr
     run.save_ema(hooks, result)
     if run.views.save is not None:
         run.views.enter(run.views.save)  # the trained LoRA is the save view's; the state continues the raw one
+    elif run.views.best is not None and run.views.best.values:
+        run.views.enter("best")  # keep_best_validation: the LoRA at the lowest validation loss; the state continues
+        result.kept_best = (run.views.best.step, run.views.best.loss)
     result.state = run.snapshot(final=True, share_lora=hand_over)
     return result

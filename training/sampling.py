@@ -131,10 +131,18 @@ def loss_weight(name: str, u: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown loss_weighting {name!r}; choose one of {sorted(LOSS_WEIGHTINGS)}")
 
 
-def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
+                 cells: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over the batch of weight[i] * mean((pred[i] - target[i])^2); pred/target (b, ...), weight (b,).
+    ``cells`` (masked loss, ``training.masks.cell_weights``): per-cell weights broadcast over pred (b, 1, ...);
+    the mean of sample i is then sum(cells[i] * err[i]) / sum(cells[i]) over its elements.
 
     Computed in fp32 whatever the input dtype. Returns a 0-d fp32 tensor.
     """
-    err = (pred.float() - target.float()).pow(2).flatten(1).mean(dim=1)
+    sq = (pred.float() - target.float()).pow(2)
+    if cells is None:
+        err = sq.flatten(1).mean(dim=1)
+    else:
+        w = cells.to(sq).expand_as(sq)
+        err = (sq * w).flatten(1).sum(dim=1) / w.flatten(1).sum(dim=1)
     return (err * weight.to(err)).mean()

@@ -76,6 +76,8 @@ class TrainSettings:
     learning_guard_steps: int = 20  # the learning guard's window: the first N optimizer steps of each call
     validate_every_n_steps: int = 0  # the held-out validation loss after every N-th step (0 = off)
     validation_fraction: float = 0.0  # without a validation set: this share of the samples held out (by seed)
+    keep_best_validation: bool = False  # the LoRA output is the one at the lowest validation loss (training.views)
+    unmasked_weight: float = 0.0    # masked loss: the weight of latent cells outside a sample's mask (0..1)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,6 +128,12 @@ class TrainSettings:
         if not 0.0 <= self.validation_fraction < 1.0:
             raise _err("validation_fraction", self.validation_fraction, "must be in [0, 1) (0 = no samples held out, "
                        "0.1 typical)")
+        if not 0.0 <= self.unmasked_weight <= 1.0:
+            raise _err("unmasked_weight", self.unmasked_weight, "must be in [0, 1] (0 = only the masked region "
+                       "trains, 1 = the mask changes nothing)")
+        if self.keep_best_validation and self.validate_every_n_steps == 0:
+            raise _err("keep_best_validation", True, "keeps the LoRA at the lowest validation loss, but "
+                       "validate_every_n_steps is 0, so none is measured; set validate_every_n_steps or turn it off")
         if not 0.0 <= self.caption_dropout <= 1.0:
             raise _err("caption_dropout", self.caption_dropout, "must be in [0, 1] (0 = off, ~0.05 .. 0.1 typical)")
         self._validate_ema()
@@ -150,13 +158,20 @@ class TrainSettings:
     def _validate_ema(self) -> None:
         if not 0.0 <= self.ema_decay < 1.0:
             raise _err("ema_decay", self.ema_decay, "must be in [0, 1) (0 = no EMA, 0.99 .. 0.9999 typical)")
-        for name in ("ema_on_cpu", "ema_preview"):
+        for name in ("ema_on_cpu", "ema_preview", "keep_best_validation"):
             if not isinstance(getattr(self, name), bool):
                 raise _err(name, getattr(self, name), "must be true or false")
         if self.ema_decay > 0 and schedule_free(self.optimizer):
             raise _err("ema_decay", self.ema_decay, f"an EMA on top of the schedule-free optimizer "
                        f"{self.optimizer!r} is not offered: schedule-free already averages its iterates (its "
                        "averaged weights are what is saved and previewed); set ema_decay to 0 or choose another optimizer")
+        if self.keep_best_validation and (schedule_free(self.optimizer) or self.ema_decay > 0 and
+                                          self.ema_save == "as_lora"):
+            what = (f"the schedule-free optimizer {self.optimizer!r} saves its averaged weights"
+                    if schedule_free(self.optimizer) else "ema_save 'as_lora' saves the EMA")
+            raise _err("keep_best_validation", True, f"keeps the trained weights at the lowest validation loss, but "
+                       f"{what} as the LoRA; use one: turn keep_best_validation off, or choose another optimizer / "
+                       "ema_save 'beside'")
         if not isinstance(self.offload_block_inputs, bool):
             raise _err("offload_block_inputs", self.offload_block_inputs, "must be true or false")
         if self.offload_block_inputs and not self.gradient_checkpointing:

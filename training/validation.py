@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .masks import cell_weights
+
 VALIDATION_U = (0.2, 0.4, 0.6, 0.8)
 NOISE_SEED = 0x5EED_0000  # + the sample's index: the validation noise of sample i
 
@@ -37,9 +39,10 @@ def held_out(data: Sequence[Any], fraction: float, seed: int) -> tuple[list[Any]
 
 @torch.no_grad()
 def validation_loss(module: torch.nn.Module, samples: Sequence[Any], fns: Any, weighting: str,
-                    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> float:
+                    loss: Callable[..., tuple[torch.Tensor, torch.Tensor]], unmasked_weight: float = 0.0) -> float:
     """The mean denoising loss of ``samples`` (``loop.Sample``) at ``VALIDATION_U`` with fixed noise (module
-    docstring); ``fns``: the run's ``loop.ModelFns``; ``loss``: the run's (``loop.denoising_loss``)."""
+    docstring); ``fns``: the run's ``loop.ModelFns``; ``loss``: the run's (``loop.denoising_loss``); a masked
+    sample's loss is masked as in training (``training.masks``)."""
     was = module.training
     module.train(False)
     try:
@@ -50,8 +53,9 @@ def validation_loss(module: torch.nn.Module, samples: Sequence[Any], fns: Any, w
             gen = torch.Generator().manual_seed(NOISE_SEED + i)
             noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(fns.device)
             u = torch.tensor(VALIDATION_U, dtype=torch.float64)
+            cells = cell_weights([getattr(sample, "mask", None)] * rows, unmasked_weight, x0)
             value, _ = loss(fns, fns.predict, x0, noise, u, fns.sigma_of_u(u), fns.collate([sample.cond] * rows),
-                            weighting)
+                            weighting, cells)
             total += float(value)
         return total / max(1, len(samples))
     finally:

@@ -59,18 +59,42 @@ class Ema:
                 s.copy_(v)
 
 
+class Best:
+    """``keep_best_validation``: host copies of the optimizer's parameters (fp32 values or the fp32 masters) at the
+    step with the lowest validation loss so far. A tie keeps the earlier step."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.step, self.loss = 0, float("inf")
+
+    @torch.no_grad()
+    def offer(self, params: list[torch.Tensor], step: int, loss: float) -> bool:
+        """Keep ``params`` when ``loss`` is below the best so far; True when kept."""
+        if not loss < self.loss:
+            return False
+        if self.values:
+            for v, p in zip(self.values, params):
+                v.copy_(p)
+        else:
+            self.values = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+        self.step, self.loss = step, loss
+        return True
+
+
 class WeightViews:
     """Swap view weights into ``module`` and back. ``params``: the optimizer's parameters; ``pairs``: (module
     parameter, its fp32 master) for low-precision LoRAs (a view rounds the master to nearest for the module).
 
     ``save``: what checkpoints and the run's end hold: "eval" (schedule-free), "ema" (EMA saved as the LoRA)
-    or None; ``preview``: the same for previews."""
+    or None; ``preview``: the same for previews. "best" (``Best``) is what the run's end holds with
+    ``keep_best_validation``."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  pairs: list[tuple[torch.Tensor, torch.Tensor]], ema: Ema | None, save: str | None,
                  preview: str | None) -> None:
         self.module, self.optimizer, self.params, self.pairs = module, optimizer, params, pairs
         self.ema, self.save, self.preview = ema, save, preview
+        self.best: Best | None = None  # keep_best_validation: the weights at the lowest validation loss so far
         self.raw: dict[str, torch.Tensor] | None = None  # module values to continue from, while in a view
         self.raw_masters: dict[int, torch.Tensor] = {}    # id(master) -> its value, while in a view
         self._saved: tuple[list[torch.Tensor], list[torch.Tensor], list[object]] | None = None
@@ -98,12 +122,12 @@ class WeightViews:
         self.raw_masters = {id(p): v for p, v in zip(self.params, self._saved[0])}
         if kind == "eval":
             self.optimizer.eval()  # type: ignore[attr-defined]  # schedule-free: params <- averaged x
-        elif kind == "ema":
-            assert self.ema is not None
-            for p, s in zip(self.params, self.ema.values()):
+        elif kind in ("ema", "best"):
+            values = self.ema.values() if kind == "ema" else self.best.values  # type: ignore[union-attr]
+            for p, s in zip(self.params, values):
                 p.copy_(s)
         else:
-            raise ValueError(f"unknown weights view {kind!r}; expected 'eval' or 'ema'")
+            raise ValueError(f"unknown weights view {kind!r}; expected 'eval', 'ema' or 'best'")
         for p, m in self.pairs:
             p.copy_(m.to(p.dtype))
 

@@ -30,6 +30,7 @@ import torch
 
 from ...training.grad import clone_if_inference
 from ...training.loop import Sample
+from ...training.masks import coverage, to_grid
 from ..model.data_checks import conditioning_problem, is_minimax_h3, is_packed, latent_problem
 from ..dataset.resolution import size_problem
 
@@ -205,6 +206,8 @@ class DatasetReport:
     shared: list[list[int]] = field(default_factory=list)  # samples (0-based) with the same caption, per caption
     per_sample: bool = True  # captions were given per sample (not one for all)
     empty: list[int] = field(default_factory=list)  # samples (0-based) whose caption is empty_conditioning's
+    masked: list[int] = field(default_factory=list)  # samples (0-based) with a mask (masked loss)
+    coverage: float = 0.0  # the summed share of their latents the masks cover
 
     def lines(self) -> list[str]:
         sizes = ", ".join(f"{size} x{n}" for size, n in self.sizes.items())
@@ -221,6 +224,9 @@ class DatasetReport:
                        "caption (equal to empty_conditioning) while the others have captions: an image without its "
                        ".txt caption (PrecisionLoadImageDataset's report names the file); write the caption or check "
                        "that the .txt names match the images")
+        if self.masked:
+            out.append(f"masks: {len(self.masked)} of {self.samples} samples masked, covering "
+                       f"{100 * self.coverage / len(self.masked):.0f} % of their latents on average (masked loss)")
         for group in self.shared:
             out.append(f"samples {', '.join(str(i + 1) for i in group)} have the same caption: images without a "
                        ".txt caption all get the empty caption from MakeTrainingDataset; add captions or check "
@@ -294,15 +300,18 @@ def build_samples(model: Any, latents: list[Any], conditionings: list[Any], clas
 
 
 def build_dataset(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
-                  device: torch.device, empty: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
+                  device: torch.device, empty: list[Any] | None = None,
+                  masks: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
     """``build_samples`` and the report of what they are. ``empty``: the empty caption's CONDITIONING
-    (Train LoRA's empty_conditioning), when connected: the report names the samples that train on it."""
+    (Train LoRA's empty_conditioning), when connected: the report names the samples that train on it.
+    ``masks``: Train LoRA's mask input (MASKs), else a LATENT's own ``noise_mask`` (``sample_masks``)."""
     with torch.inference_mode(False):
-        return _build(model, latents, conditionings, class_conditionings, device, empty)
+        return _build(model, latents, conditionings, class_conditionings, device, empty, masks)
 
 
 def _build(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
-           device: torch.device, empty: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
+           device: torch.device, empty: list[Any] | None = None,
+           masks: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
     if not latents:
         raise _err("latents", "the dataset is empty: connect at least one latent")
     if not conditionings:
@@ -315,13 +324,68 @@ def _build(model: Any, latents: list[Any], conditionings: list[Any], class_condi
     if class_conditionings:
         classes = _assign(_cond_items(model, class_conditionings, "class_conditioning"), class_conditionings,
                           sizes, "class_conditioning")
+    grids = sample_masks(latents, masks, rows, sizes, layouts)
     samples = []
-    for x0, cond, ccond, layout in zip(rows, conds, classes, layouts):
+    for x0, cond, ccond, layout, grid in zip(rows, conds, classes, layouts, grids):
         enc = _encode(model, cond, x0, device, layout)
         cenc = _encode(model, ccond, x0, device, layout) if ccond is not None else None
         group = (_group_key(enc), _group_key(cenc) if cenc is not None else None)
         if is_minimax_h3(model):  # its forward takes one sample
             group = (*group, len(samples))
-        samples.append(Sample(latent=x0, cond=enc, group=group, class_cond=cenc))
+        samples.append(Sample(latent=x0, cond=enc, group=group, class_cond=cenc, mask=grid))
     videos = [torch.empty(layout[0][1:], device="meta") if layout else s.latent for s, layout in zip(samples, layouts)]
-    return samples, _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty, videos)
+    report = _report(model, samples, conds, sum(len(r) for r in items), len(latents), empty, videos)
+    report.masked = [i for i, g in enumerate(grids) if g is not None]
+    report.coverage = sum(coverage(g) for g in grids if g is not None)
+    return samples, report
+
+
+def _mask_rows(value: Any) -> list[torch.Tensor]:
+    """A MASK (H, W), (B, H, W) or a LATENT's noise_mask (B, 1, H, W) as (H, W) masks."""
+    t = clone_if_inference(value).float()
+    return list(t.reshape(-1, t.shape[-2], t.shape[-1])) if t.ndim >= 2 else [t]
+
+
+def sample_masks(latents: list[Any], masks: list[Any] | None, rows: list[torch.Tensor], sizes: list[int],
+                 layouts: list[Any]) -> list[torch.Tensor | None]:
+    """Every sample's mask on its latent grid (``training.masks.to_grid``), or None (no mask: the whole latent
+    trains). From Train LoRA's ``mask`` (one mask for all samples or one per sample in order), or else from a
+    LATENT's ``noise_mask`` (ComfyUI's Set Latent Noise Mask: one for the LATENT's samples or one each); both at
+    once, counts that do not pair, and a mask of another size than its image are refused by name."""
+    own = [lat.get("noise_mask") if isinstance(lat, dict) else None for lat in latents]
+    n = len(rows)
+    pixel: list[torch.Tensor | None] = [None] * n
+    if masks:
+        where = next((i for i, m in enumerate(own) if m is not None), None)
+        if where is not None:
+            raise _err("mask", f"is connected and LATENT {where} carries a noise_mask of its own (Set Latent Noise "
+                               "Mask); use one: disconnect mask or train on the latents without the noise mask")
+        given = [m for value in masks for m in _mask_rows(value)]
+        if len(given) not in (1, n):
+            raise _err("mask", f"{len(given)} masks for {n} latent samples: connect one mask for all samples or "
+                               "one per sample, in the latents' order")
+        pixel = given if len(given) == n else given * n
+    else:
+        at = 0
+        for i, (m, size) in enumerate(zip(own, sizes)):
+            if m is not None:
+                got = _mask_rows(m)
+                if len(got) not in (1, size):
+                    raise _err("latents", f"LATENT {i} carries a noise_mask of {len(got)} masks for its {size} "
+                                          "samples: give one mask for all of them or one each")
+                pixel[at:at + size] = got if len(got) == size else got * size
+            at += size
+    grids: list[torch.Tensor | None] = []
+    for j, (m, x0, layout) in enumerate(zip(pixel, rows, layouts)):
+        if m is None:
+            grids.append(None)
+            continue
+        name = "mask" if masks else "latents"
+        if layout is not None:
+            raise _err(name, f"sample {j + 1} is a packed audio-video latent: masked loss takes image and video "
+                             "latents only; remove its mask")
+        try:
+            grids.append(to_grid(m, tuple(x0.shape)))
+        except ValueError as exc:
+            raise _err(name, f"sample {j + 1}: {exc}") from None
+    return grids

@@ -163,6 +163,14 @@ def _ema_inputs() -> list:
                        optional=True, tooltip="Without a validation set on Train LoRA: this share of the training "
                                               "samples is held out (chosen by the run's seed) and validated on, not "
                                               "trained on. 0 = none."),
+        io.Boolean.Input("keep_best_validation", default=DEFAULTS.keep_best_validation, optional=True,
+                         tooltip="The LoRA Train LoRA outputs (and Save LoRA writes) is the one at the step with the "
+                                 "lowest validation loss, not the last step's; its metadata names the step. The "
+                                 "training_state still continues from the last step. Needs validate_every_n_steps."),
+        io.Float.Input("unmasked_weight", default=DEFAULTS.unmasked_weight, min=0.0, max=1.0, step=0.01,
+                       optional=True, tooltip="Masked loss (a mask on Train LoRA, or a LATENT's noise_mask): the loss "
+                                              "weight of the latent outside a sample's mask (0 = only the masked "
+                                              "region trains, 1 = the mask changes nothing). docs/training.md."),
     ]
 
 
@@ -333,6 +341,11 @@ class PrecisionTrainLoRA(PrecisionNode):
                 io.Conditioning.Input("validation_conditioning", optional=True,
                                       tooltip="The validation set's conditioning: one for all, one per sample or one "
                                               "per LATENT, as conditioning."),
+                io.Mask.Input("mask", optional=True,
+                              tooltip="Masked loss: one mask for all samples or one per sample in the latents' order, "
+                                      "at the images' size (white = train here). Outside it the loss weighs "
+                                      "unmasked_weight (Train Settings). Without it, a LATENT's own noise_mask (Set "
+                                      "Latent Noise Mask) is used. docs/training.md."),
             ],
             outputs=[
                 io.Model.Output(display_name="model", tooltip="The model with the trained LoRA active."),
@@ -347,7 +360,7 @@ class PrecisionTrainLoRA(PrecisionNode):
     @classmethod
     def execute(cls, model, latents, conditioning, steps, seed, name, settings=None, class_conditioning=None,
                 training_state=None, resume_from=None, preview=None, empty_conditioning=None,
-                validation_latents=None, validation_conditioning=None) -> io.NodeOutput:
+                validation_latents=None, validation_conditioning=None, mask=None) -> io.NodeOutput:
         model, steps, seed, name = model[0], steps[0], seed[0], name[0]
         cfg = _flat(settings, DEFAULTS)  # validated when it was built
         resume = (_flat(resume_from, "") or "").strip()
@@ -369,7 +382,8 @@ class PrecisionTrainLoRA(PrecisionNode):
         result = None
         try:
             result = _run(out, lora_set, cfg, latents, conditioning, class_conditioning, steps, seed, state, hooks,
-                          empty_conditioning, node_id, cont.changes, (validation_latents, validation_conditioning))
+                          empty_conditioning, node_id, cont.changes, (validation_latents, validation_conditioning),
+                          mask)
         finally:
             finish_job(job, stopped=result is not None and result.stopped)
         outcome = result.outcome
@@ -403,7 +417,7 @@ def validation_curve(state: TrainingState) -> list[list]:
 
 def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_conditioning, steps: int, seed: int,
          state: TrainingState | None, hooks: Hooks, empty_conditioning=None, node_id: str | None = None,
-         changes: tuple[str, ...] = (), validation: tuple = (None, None)):
+         changes: tuple[str, ...] = (), validation: tuple = (None, None), masks: list | None = None):
     # before anything is loaded onto the device
     # the plan decides what the session runs with; the run (its training state) keeps what the user set
     plan = plan_step(model, cfg, latents, conditioning, say=lambda text: page.show_on_node(text, node_id))
@@ -412,12 +426,17 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         lora_set.info.update(plan.metadata())
         changes = (plan.line, *changes)
     with training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
-        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning)
+        samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning,
+                                        masks)
         for line in [*report.lines(), *attention.start_lines()]:
             log.info("PrecisionTrainLoRA: %s", line)
         shown = [*report.lines(), *attention.start_lines(), *changes]
         page.show_on_node("\n".join(shown), node_id)
         lora_set.info["precision_lora_dataset"] = report.summary()
+        lora_set.info.pop("precision_lora_mask", None)
+        if report.masked:
+            lora_set.info["precision_lora_mask"] = (f"{len(report.masked)} of {report.samples} samples masked, "
+                                                    f"unmasked_weight {cfg.unmasked_weight:g}")
         start = state.step if state is not None else 0
         lora_set.info.update(training_metadata(plan.session, report.sizes, report.samples, start + steps, seed if state is None
                                                else state.seed))
@@ -430,18 +449,35 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         if isinstance(hooks.on_step, PreviewStepHook):
             hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
+            began = time.perf_counter()
             result = train(lora_set, samples, fns, cfg, steps, seed=seed, state=state, hooks=hooks, hand_over=True,
                            validation=held)
+            took = time.perf_counter() - began
             curve = validation_curve(result.state)
             if curve:
                 best = min(curve, key=lambda p: p[1])
                 lora_set.info["precision_lora_validation"] = json.dumps(curve)
                 lora_set.info["precision_lora_validation_best"] = f"{best[1]:.6g} at step {best[0]}"
+            lora_set.info.pop("precision_lora_kept", None)
+            below: list[str] = []  # under the node too, beside the run's report
+            if result.validation_passes:
+                below.append(f"validation: {result.validation_passes} passes took {result.validation_seconds:.1f} s, "
+                             f"{100 * result.validation_seconds / max(took, 1e-9):.0f} % of this run's {took:.1f} s")
+                lora_set.info["precision_lora_validation_cost"] = below[-1]
+                log.info("PrecisionTrainLoRA: %s", below[-1])
+            if result.kept_best is not None:
+                kept = (f"the LoRA of step {result.kept_best[0]} of {result.state.step}: the lowest validation loss "
+                        f"({result.kept_best[1]:.6g}; keep_best_validation)")
+                lora_set.info["precision_lora_kept"] = kept
+                log.info("PrecisionTrainLoRA: %s", kept)
+                below.append(kept)
             if result.learning:
                 lora_set.info["precision_lora_learning"] = result.learning
                 log.info("PrecisionTrainLoRA: %s", result.learning)
-            if result.learning_findings:  # under the node too, beside the run's report
-                page.show_on_node("\n".join([*shown, result.learning]), node_id)
+            if result.learning_findings:
+                below.append(result.learning)
+            if below:
+                page.show_on_node("\n".join([*shown, *below]), node_id)
             return result
         except ValueError as exc:
             raise _node_error("PrecisionTrainLoRA", exc) from exc

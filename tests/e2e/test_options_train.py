@@ -558,6 +558,79 @@ def test_validation_loss_from_a_held_out_share_or_a_validation_set(opts):
     assert opts.steps(pid, un_ids["train"]) == []
 
 
+def test_keep_best_validation_saves_the_lora_of_the_lowest_validation_loss(opts):
+    """keep_best_validation through /prompt: the saved LoRA is the one of the step with the lowest validation loss
+    (equal, tensor for tensor, to the LoRA of the same run stopped at that step), its metadata names the step, and
+    the validation passes' cost is reported; without validation it is refused by the settings node."""
+    common = {"validate_every_n_steps": 1, "validation_fraction": 0.5, "learning_rate": 0.05}
+    best, best_ids = train_graph({**common, "keep_best_validation": True}, steps=4, batch=2, name="o_val_best")
+    entry = opts.run_all({"best": best})["best"]
+    _, tensors, md = opts.saved_lora(entry, best_ids["save"])
+    curve = json.loads(md["precision_lora_validation"])
+    step, loss = min(curve, key=lambda p: p[1])
+    assert md["precision_lora_kept"] == (f"the LoRA of step {step} of 4: the lowest validation loss ({loss:.6g}; "
+                                         "keep_best_validation)"), (md["precision_lora_kept"], curve)
+    assert re.fullmatch(r"validation: 4 passes took \d+\.\d s, \d+ % of this run's \d+\.\d s",
+                        md["precision_lora_validation_cost"]), md["precision_lora_validation_cost"]
+    upto, upto_ids = train_graph(common, steps=step, batch=2, name="o_val_upto")
+    assert_same(tensors, opts.saved_lora(opts.run_all({"upto": upto})["upto"], upto_ids["save"])[1])
+    bad, bad_ids = train_graph(name="o_val_best_bad")
+    bad.nodes[bad_ids["settings"]]["inputs"]["keep_best_validation"] = True
+    status, body = opts.server.request("/prompt", {"prompt": bad.nodes, "client_id": opts.client_id})
+    assert status == 400, body
+    details = " | ".join(e.get("details", "") for e in body["node_errors"][bad_ids["settings"]]["errors"])
+    assert "TrainSettings.keep_best_validation=True: keeps the LoRA at the lowest validation loss, but " \
+           "validate_every_n_steps is 0" in details, details
+
+
+def _masked(g: Graph, ids: dict, width: int = 32, height: int = 32, how: str = "mask") -> None:
+    """A mask over the top-left quarter of the 32 x 32 demo image (ComfyUI's SolidMask + MaskComposite), given to
+    Train LoRA's mask input, or as the LATENT's noise_mask (ComfyUI's SetLatentNoiseMask)."""
+    blank = g.add("SolidMask", value=0.0, width=width, height=height)
+    corner = g.add("SolidMask", value=1.0, width=16, height=16)
+    mask = g.add("MaskComposite", destination=out(blank), source=out(corner), x=0, y=0, operation="add")
+    if how == "mask":
+        g.nodes[ids["train"]]["inputs"]["mask"] = out(mask)
+    else:
+        noised = g.add("SetLatentNoiseMask", samples=out(ids["latent"]), mask=out(mask))
+        g.nodes[ids["train"]]["inputs"]["latents"] = out(noised)
+
+
+def test_masked_loss_through_the_server(opts):
+    """Train LoRA's mask (and a LATENT's noise_mask, the same LoRA bit for bit) trains on the masked region:
+    another LoRA than the unmasked run, unmasked_weight 1 gives the unmasked run's LoRA back (to fp32 rounding),
+    the metadata says how many samples were masked; a mask of another shape than its image and an unmasked_weight
+    without any mask are refused by name before step 1. (Pixels outside the mask still reach the model's input:
+    an attention model reads the whole latent; tests/unit/test_masked_loss.py shows a per-cell model unchanged.)"""
+    graphs = {}
+    for key, settings, how in (("plain", {}, None), ("mask", {}, "mask"), ("noise_mask", {}, "latent"),
+                               ("whole", {"unmasked_weight": 1.0}, "mask")):
+        g, ids = train_graph(settings, steps=2, name=f"o_mask_{key}")
+        if how:
+            _masked(g, ids, how=how)
+        graphs[key] = g, ids
+    entries = opts.run_all({k: g for k, (g, _) in graphs.items()})
+    saved = {k: opts.saved_lora(entries[k], graphs[k][1]["save"]) for k in graphs}
+    assert saved["mask"][2]["precision_lora_mask"] == "1 of 1 samples masked, unmasked_weight 0"
+    assert "precision_lora_mask" not in saved["plain"][2]
+    assert_same(saved["mask"][1], saved["noise_mask"][1])
+    assert_same(saved["whole"][1], saved["plain"][1], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(ups(saved["mask"][1])[next(iter(ups(saved["mask"][1])))],
+                              ups(saved["plain"][1])[next(iter(ups(saved["plain"][1])))], atol=1e-6)
+    wrong, wrong_ids = train_graph(steps=1, name="o_mask_wrong")
+    _masked(wrong, wrong_ids, height=16)
+    pid = opts.queue(wrong)
+    message = opts.failure_of(pid)
+    assert "PrecisionTrainLoRA: input 'mask': sample 1: a 32x16 mask does not match a 4x4 latent (an image of " \
+           "about 32x32 px): give each sample the mask of its own image" in message, message
+    assert opts.steps(pid, wrong_ids["train"]) == []
+    lone, lone_ids = train_graph({"unmasked_weight": 0.5}, steps=1, name="o_mask_lone")
+    pid = opts.queue(lone)
+    message = opts.failure_of(pid)
+    assert "unmasked_weight=0.5 weighs the latent outside the samples' masks, but no sample has a mask" in message
+    assert opts.steps(pid, lone_ids["train"]) == []
+
+
 def test_every_train_option_went_through_the_server(opts):
     """Runs last: every input of this area's nodes took a non-default value in a prompt queued above, and
     every widget of the input-list node (Train LoRA) came through a link; every option of the pack's own

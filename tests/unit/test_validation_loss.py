@@ -88,3 +88,54 @@ def test_unmeasured_or_conflicting_validation_is_refused_before_training(kw, giv
 def test_the_fraction_is_checked_by_the_settings():
     with pytest.raises(ValueError, match=r"TrainSettings.validation_fraction=1.0: must be in \[0, 1\)"):
         TrainSettings(validation_fraction=1.0)
+
+
+def _best_settings(**kw) -> TrainSettings:
+    """lr 0.05 on the toy: the validation loss falls to its lowest at step 5 and rises after (measured every step)."""
+    return _settings(**{"learning_rate": 5e-2, "validate_every_n_steps": 1, "keep_best_validation": True, **kw})
+
+
+def _values(net) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in net.lora.parameters()]
+
+
+def test_keep_best_validation_holds_the_lora_of_the_lowest_validation_loss(tmp_path):
+    """keep_best_validation: the LoRA a 10-step run ends with is, bit for bit, the LoRA of the same run stopped at
+    the step of its lowest validation loss; the training state continues the last step (as without the option);
+    the best survives chaining and resuming from the saved state halfway."""
+    data = toy_data(8, DIM)
+    net = ToyNet(DIM)
+    whole = train(net.lora, data, toy_fns(net), _best_settings(), steps=10, seed=5)
+    curve = _curve(whole.state)
+    step, loss = min(curve, key=lambda p: p[1])
+    assert whole.kept_best == (step, loss) and 1 < step < 10, curve  # a minimum inside the run, not its end
+    upto, plain_end = ToyNet(DIM), ToyNet(DIM)
+    train(upto.lora, data, toy_fns(upto), _best_settings(keep_best_validation=False), steps=step, seed=5)
+    plain = train(plain_end.lora, data, toy_fns(plain_end), _best_settings(keep_best_validation=False), steps=10, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(_values(net), _values(upto)))
+    assert not torch.equal(net.lora.up, plain_end.lora.up)
+    assert whole.state.train_lora == {} or all(torch.equal(whole.state.train_lora[n], v)
+                                               for n, v in plain.state.lora.items())
+    assert whole.state.best_step == step and all(torch.equal(whole.state.lora[n], v) for n, v in upto.lora.named_parameters())
+    # chained 6 + 4 and resumed from the file at 6: the same best, the same LoRA
+    half_net = ToyNet(DIM)
+    half = train(half_net.lora, data, toy_fns(half_net), _best_settings(), steps=6, seed=5)
+    chained = train(half_net.lora, data, toy_fns(half_net), _best_settings(), steps=4, seed=5, state=half.state)
+    path = str(tmp_path / "best.trainstate")
+    save_state(path, half.state)
+    fresh = ToyNet(DIM)
+    resumed = train(fresh.lora, data, toy_fns(fresh), _best_settings(), steps=4, seed=999, state=load_state(path))
+    for other, other_net in ((chained, half_net), (resumed, fresh)):
+        assert other.kept_best == (step, loss) and _curve(other.state) == curve
+        assert all(torch.equal(a, b) for a, b in zip(_values(other_net), _values(upto)))
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"validate_every_n_steps": 0, "validation_fraction": 0.0},
+     r"TrainSettings.keep_best_validation=True: keeps the LoRA at the lowest validation loss, but validate_every_n"),
+    ({"ema_decay": 0.9, "ema_save": "as_lora"}, r"but ema_save 'as_lora' saves the EMA as the LoRA; use one"),
+    ({"optimizer": "schedulefree_adamw"}, r"the schedule-free optimizer 'schedulefree_adamw' saves its averaged"),
+])
+def test_keep_best_validation_conflicts_are_refused_by_the_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _best_settings(**kw)
