@@ -6,9 +6,7 @@
 # and no pytest arguments but options were given, a third run: the browser tests of the pack's page extensions on
 # ComfyUI 0.33.0 with the newest PyPI frontend (see NEWEST_FRONTEND_TESTS). Exits non-zero on any failure, including
 # "no tests collected" on a host. Each run lists its 25 slowest tests; the last line sums the runs' counts.
-# On a machine with 2+ cores and 20+ GiB available the whole suite goes side by side in two lanes: each host's
-# in-process tests (tests/ but e2e and browser) in one, its server tests (tests/e2e, tests/browser) in the other
-# (PRECISION_LORA_JOBS=N sets the lanes; 1: one run per host, one after the other).
+# On a machine with 2+ cores and 40+ GiB available the runs go side by side in two lanes (PRECISION_LORA_JOBS=N sets it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -66,14 +64,7 @@ fi
 # there the runs go one after the other. The runs share nothing they write but .cache/ (written atomically, per
 # process) and loopback ports (each lane takes its own: tests/ports.py). With more than one lane each run's output
 # goes to a log, printed whole when its lane ends.
-label_of() {  # a run's label: its junit report's name and the summary's
-  case "$1" in
-    frontend) echo "$FRONTEND_LABEL" ;;
-    *:local) echo "${1%:local}-in-process" ;;
-    *:server) echo "${1%:server}-server" ;;
-    *) echo "$1" ;;
-  esac
-}
+label_of() { if [ "$1" = frontend ]; then echo "$FRONTEND_LABEL"; else echo "$1"; fi; }
 run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<label>.xml, its exit status REPORTS/<label>.rc
   local run="$1" label rc
   shift
@@ -84,14 +75,9 @@ run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<l
     set -- "${NEWEST_FRONTEND_TESTS[@]}" "$@"
     export PRECISION_LORA_FRONTEND="$HOSTS_ROOT/frontends/newest/static"
   else
-    local host="${run%%:*}"
-    host_vars "$host"
-    if [ "$host" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
-    case "$run" in  # a host's half of the whole suite (side by side: SERVER_TESTS)
-      *:local) set -- tests "${SERVER_TESTS[@]/#/--ignore=}" "$@"; echo "== pytest on ComfyUI $host ($HOST_COMFY): in-process tests" ;;
-      *:server) set -- "${SERVER_TESTS[@]}" "$@"; echo "== pytest on ComfyUI $host ($HOST_COMFY): server tests" ;;
-      *) echo "== pytest on ComfyUI $run ($HOST_COMFY)" ;;
-    esac
+    host_vars "$run"
+    if [ "$run" = custom ]; then "$HOST_PY" -m pip install -q -r scripts/test-requirements.txt; fi
+    echo "== pytest on ComfyUI $run ($HOST_COMFY)"
   fi
   set +e
   PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label.xml" --durations=25 "$@"
@@ -105,39 +91,12 @@ jobs="${PRECISION_LORA_JOBS:-auto}"
 if [ "$jobs" = auto ]; then
   avail_gib=$(awk '/^MemAvailable:/ {printf "%d", $2 / 1048576}' /proc/meminfo 2>/dev/null || echo 0)
   jobs=1
-  if [ "$(nproc)" -ge 2 ] && { [ "${avail_gib:-0}" -ge 40 ] || { [ $only_options = 1 ] && [ "${avail_gib:-0}" -ge 20 ]; }; }; then
-    jobs=2
-  fi
+  if [ "$(nproc)" -ge 2 ] && [ "${avail_gib:-0}" -ge 40 ]; then jobs=2; fi
 fi
 case "$jobs" in ''|*[!0-9]*|0) echo "[precision-lora] PRECISION_LORA_JOBS=$jobs: use a count of runs side by side (1, 2, ...) or auto"; exit 2 ;; esac
-# The whole suite side by side: each host in two halves, the in-process tests in lane 1 (no ComfyUI server: its
-# pytest process peaks near 6 GiB) and the server tests in lane 2 (a session ComfyUI server of ~7 GiB besides
-# pytest), so the two lanes stay within a 24 GiB machine (one whole run per host in each lane did not:
-# docs/DEVELOPING.md). Tests chosen by hand: one run per host, shared out over the lanes.
-SERVER_TESTS=(tests/e2e tests/browser)
-split=0
-if [ "$jobs" -ge 2 ] && [ $only_options = 1 ]; then
-  split=1
-  jobs=2
-  runs=()
-  for host in "${HOSTS[@]}"; do runs+=("$host:local"); done
-  for host in "${HOSTS[@]}"; do runs+=("$host:server"); done
-  if [[ " ${HOSTS[*]} " == *" 0.33.0 "* ]]; then runs+=(frontend); fi
-fi
 [ "$jobs" -le ${#runs[@]} ] || jobs=${#runs[@]}
-# split: lane 1 the in-process halves, lane 2 the server halves and the frontend run; else lane i takes runs i,
-# i + jobs, ... (two hosts and the frontend run: 0.33.0 + frontend, 0.3.75)
-lane_runs() {
-  local i=$1 k
-  for ((k = 0; k < ${#runs[@]}; k++)); do
-    if [ $split = 1 ]; then
-      case "${runs[$k]}" in *:local) [ "$i" = 0 ] && printf '%s ' "${runs[$k]}" ;; *) [ "$i" = 1 ] && printf '%s ' "${runs[$k]}" ;; esac
-    elif (( k % jobs == i )); then
-      printf '%s ' "${runs[$k]}"
-    fi
-  done
-  return 0
-}
+# lane i takes runs i, i + jobs, ...; with two hosts and the frontend run: 0.33.0 + frontend, 0.3.75
+lane_runs() { local i=$1 k; for ((k = i; k < ${#runs[@]}; k += jobs)); do printf '%s ' "${runs[$k]}"; done; }
 if [ "$jobs" -le 1 ]; then
   for run in "${runs[@]}"; do run_one "$run" "$@"; done
 else
