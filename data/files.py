@@ -14,9 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .image_reading import EXTENSIONS, read_image
+from .image_reading import EXTENSIONS, read_image_and_alpha, read_mask
 
 MISSING_CAPTION_CHOICES = ("train_empty", "refuse")
+# Where the masks output comes from (masked loss: Train LoRA's mask input, through Resolution Buckets)
+MASK_CHOICES = {
+    "none": "every mask is the whole image (white)",
+    "files": "<name>_mask.png (or another image type) beside each image, white = train here; an image without "
+             "one: the whole image (named in the report)",
+    "alpha": "each image's alpha channel (opaque = train here); an image without transparency: the whole image",
+}
+MASK_SUFFIX = "_mask"
 
 
 @dataclass
@@ -25,6 +33,7 @@ class Dataset:
 
     images: list[torch.Tensor] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)  # (1, H, W) per image (ComfyUI's MASK), see MASK_CHOICES
     lines: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # image names (relative) without a caption
 
@@ -57,7 +66,55 @@ def list_images(root: str) -> tuple[list[tuple[str, int]], list[str]]:
             found.extend((rel, n) for rel in inner)
         else:
             _sort_file(name, found, notes)
-    return found, notes
+    return _without_masks(root, found, notes), notes
+
+
+def _without_masks(root: str, found: list[tuple[str, int]], notes: list[str]) -> list[tuple[str, int]]:
+    """``found`` without the mask files of other images (``<stem>_mask.<ext>`` beside ``<stem>.<ext>``)."""
+    stems = {os.path.splitext(rel)[0] for rel, _ in found}
+    kept = []
+    for rel, n in found:
+        stem = os.path.splitext(rel)[0]
+        if stem.endswith(MASK_SUFFIX) and stem[:-len(MASK_SUFFIX)] in stems:
+            notes.append(f"not read as an image: {rel} (the mask of {stem[:-len(MASK_SUFFIX)]}; mask='files' uses it)")
+        else:
+            kept.append((rel, n))
+    return kept
+
+
+def mask_file_of(root: str, rel: str) -> str | None:
+    """The mask file beside image ``rel`` (``<stem>_mask`` with an image extension, .png first), or None."""
+    stem = os.path.splitext(rel)[0] + MASK_SUFFIX
+    for ext in (".png", *[e for e in EXTENSIONS if e != ".png"]):
+        for name in (stem + ext, stem + ext.upper()):
+            if os.path.isfile(os.path.join(root, name)):
+                return name
+    return None
+
+
+def _mask(root: str, rel: str, image: torch.Tensor, alpha: torch.Tensor | None, mode: str,
+          decided: list[str]) -> torch.Tensor:
+    """The (1, H, W) mask of image ``rel`` (``MASK_CHOICES``); a mask file of another size is refused by name."""
+    h, w = int(image.shape[1]), int(image.shape[2])
+    if mode == "alpha" and alpha is not None:
+        return alpha[None].float()
+    if mode == "files":
+        name = mask_file_of(root, rel)
+        if name is None:
+            decided.append(f"no mask ({os.path.splitext(rel)[0]}{MASK_SUFFIX}.png not found): trains on the whole image")
+        else:
+            try:
+                mask = read_mask(os.path.join(root, name))
+            except ValueError as exc:
+                raise DatasetError(name, str(exc)) from None
+            if tuple(mask.shape) != (h, w):
+                raise DatasetError(name, f"is {mask.shape[1]}x{mask.shape[0]} px but its image {rel} is {w}x{h} px; "
+                                         "save the mask at the image's size")
+            decided.append(f"mask {name}: {100 * float(mask.mean()):.3g} % of the image")
+            return mask[None]
+    if mode == "alpha":
+        decided.append("no transparency: the mask is the whole image")
+    return torch.ones((1, h, w), dtype=torch.float32)
 
 
 def _images_in(root: str, sub: str, notes: list[str]) -> list[str]:
@@ -105,14 +162,18 @@ def orphan_captions(root: str, images: list[str]) -> list[str]:
 
 
 def load_dataset(root: str, label: str, alpha: str = "white", animated: str = "first_frame",
-                 missing_caption: str = "train_empty") -> Dataset:
-    """Every image of the folder ``root`` (shown as ``label`` in the report) with its caption.
+                 missing_caption: str = "train_empty", mask: str = "none") -> Dataset:
+    """Every image of the folder ``root`` (shown as ``label`` in the report) with its caption and its mask
+    (``MASK_CHOICES``).
 
     Raises DatasetError naming the file for an unreadable or refused image, a caption that is not UTF-8,
-    a missing caption when ``missing_caption="refuse"``, or a folder without images.
+    a missing caption when ``missing_caption="refuse"``, a mask file of another size than its image, or a
+    folder without images.
     """
     if missing_caption not in MISSING_CAPTION_CHOICES:
         raise DatasetError("", f"missing_caption={missing_caption!r}: use one of {MISSING_CAPTION_CHOICES}")
+    if mask not in MASK_CHOICES:
+        raise DatasetError("", f"mask={mask!r}: use one of {tuple(MASK_CHOICES)}")
     listed, skipped = list_images(root)
     if not listed:
         raise DatasetError("", f"{label} holds no image ({', '.join(EXTENSIONS)}); put the images there, each "
@@ -120,9 +181,10 @@ def load_dataset(root: str, label: str, alpha: str = "white", animated: str = "f
     data, notes = Dataset(), []
     for rel, n in listed:
         try:
-            image, decided = read_image(os.path.join(root, rel), alpha, animated)
+            image, decided, alpha_channel = read_image_and_alpha(os.path.join(root, rel), alpha, animated)
         except ValueError as exc:
             raise DatasetError(rel, str(exc)) from None
+        image_mask = _mask(root, rel, image, alpha_channel, mask, decided)
         text = caption_of(root, rel)
         stem = os.path.splitext(rel)[0]
         if text is None or text == "":
@@ -136,6 +198,7 @@ def load_dataset(root: str, label: str, alpha: str = "white", animated: str = "f
         notes.extend(f"{rel}: {note}" for note in decided)
         data.images.extend([image] * n)
         data.texts.extend([text or ""] * n)
+        data.masks.extend([image_mask] * n)
     header = (f"{len(data.images)} images from {label} ({len(listed)} files, name order): "
               f"{len(listed) - len(data.missing)} with a caption, {len(data.missing)} without")
     data.lines = [header, *notes, *skipped, *orphan_captions(root, [rel for rel, _ in listed])]

@@ -38,6 +38,14 @@ def read_image(path: str, alpha: str = "white", animated: str = "first_frame") -
     ``alpha``: background for transparent pixels (``BACKGROUNDS``) or "refuse"; ``animated``: "first_frame"
     or "refuse". Raises ValueError (a phrase naming the problem and the fix) for unreadable or refused files.
     """
+    image, notes, _ = read_image_and_alpha(path, alpha, animated)
+    return image, notes
+
+
+def read_image_and_alpha(path: str, alpha: str = "white",
+                         animated: str = "first_frame") -> tuple[torch.Tensor, list[str], torch.Tensor | None]:
+    """``read_image`` and the image's alpha channel as (H, W) float32 in [0, 1] (upright, as the image), or None
+    for an image without transparency data."""
     if alpha not in ALPHA_CHOICES or animated not in ANIMATED_CHOICES:
         raise ValueError(f"alpha={alpha!r} / animated={animated!r}: use one of {ALPHA_CHOICES} / {ANIMATED_CHOICES}")
     try:
@@ -49,7 +57,26 @@ def read_image(path: str, alpha: str = "white", animated: str = "first_frame") -
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
         raise ValueError(f"cannot be read as an image ({exc}); replace or remove the file") from None
     rgb = _composite(pixels, alpha, notes)
-    return torch.from_numpy(np.ascontiguousarray(rgb))[None], notes
+    alpha_channel = torch.from_numpy(np.ascontiguousarray(pixels[..., 3])) if pixels.shape[-1] == 4 else None
+    return torch.from_numpy(np.ascontiguousarray(rgb))[None], notes, alpha_channel
+
+
+def read_mask(path: str) -> torch.Tensor:
+    """A mask image (white = 1) as (H, W) float32 in [0, 1], upright: its gray levels (colour images through
+    their luminance; a transparent pixel counts as 0). ValueError for a file that is not an image."""
+    try:
+        with Image.open(path) as img:
+            frame = _upright(_first_frame(img, "first_frame", []), [])
+            pixels = _pixels(frame, [])
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise ValueError(f"cannot be read as an image ({exc}); replace or remove the file") from None
+    if pixels.shape[-1] == 1:
+        gray = pixels[..., 0]
+    else:
+        gray = pixels[..., :3] @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+        if pixels.shape[-1] == 4:
+            gray = gray * pixels[..., 3]
+    return torch.from_numpy(np.ascontiguousarray(gray.astype(np.float32))).clamp(0.0, 1.0)
 
 
 def _first_frame(img: Image.Image, animated: str, notes: list[str]) -> Image.Image:

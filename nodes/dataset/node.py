@@ -17,7 +17,7 @@ import folder_paths
 
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
-from ...data.files import MISSING_CAPTION_CHOICES, DatasetError, folder_signature, load_dataset
+from ...data.files import MASK_CHOICES, MISSING_CAPTION_CHOICES, DatasetError, folder_signature, load_dataset
 from ...data.image_reading import ALPHA_CHOICES, ANIMATED_CHOICES, EXTENSIONS
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class PrecisionLoadImageDataset(PrecisionNode):
                 io.Combo.Input("missing_caption", options=list(MISSING_CAPTION_CHOICES), default="train_empty",
                                tooltip="An image without a .txt (or with an empty one): train it on the empty "
                                        "caption (named in the report) or refuse the dataset."),
+                io.Combo.Input("mask", options=list(MASK_CHOICES), default="none", optional=True,
+                               tooltip="Where the masks output comes from (masked loss: connect it through "
+                                       "Resolution Buckets' masks to Train LoRA's mask). "
+                                       + "; ".join(f"{k}: {v}" for k, v in MASK_CHOICES.items()) + "."),
             ],
             outputs=[
                 io.Image.Output(display_name="images", is_output_list=True,
@@ -74,6 +78,9 @@ class PrecisionLoadImageDataset(PrecisionNode):
                                  tooltip="What was read: counts, then one line per file something was decided "
                                          "for (orientation, bit depth, transparency, frames, missing caption) "
                                          "and the files not read."),
+                io.Mask.Output(display_name="masks", is_output_list=True,
+                               tooltip="One mask per image, at the image's size (see the mask input): connect to "
+                                       "Resolution Buckets' masks, then to Train LoRA's mask."),
             ],
         )
 
@@ -86,10 +93,10 @@ class PrecisionLoadImageDataset(PrecisionNode):
             return folder
 
     @classmethod
-    def execute(cls, folder: str, alpha: str, animated: str, missing_caption: str) -> io.NodeOutput:
+    def execute(cls, folder: str, alpha: str, animated: str, missing_caption: str, mask: str = "none") -> io.NodeOutput:
         root = dataset_root(folder)
         try:
-            data = load_dataset(root, f"input/{folder}", alpha, animated, missing_caption)
+            data = load_dataset(root, f"input/{folder}", alpha, animated, missing_caption, mask)
         except DatasetError as exc:
             raise ValueError(f"{NODE}: input 'folder'={folder!r}: {exc}") from None
         for line in data.lines:
@@ -97,7 +104,7 @@ class PrecisionLoadImageDataset(PrecisionNode):
         if data.missing:
             log.warning("%s: %d images without a caption train on the empty caption: %s", NODE,
                         len(data.missing), ", ".join(data.missing))
-        return io.NodeOutput(data.images, data.texts, "\n".join(data.lines))
+        return io.NodeOutput(data.images, data.texts, "\n".join(data.lines), data.masks)
 
 
 NODES = [PrecisionLoadImageDataset]

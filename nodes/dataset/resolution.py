@@ -155,6 +155,26 @@ def bucket_images(images: list[Any], resolution: int, multiple: int, max_upscale
     return out, counts
 
 
+def _masks(masks: list[Any], images: list[Any]) -> list[torch.Tensor | None]:
+    """One (B, H, W) mask per image (None where no masks are connected), each the size of its image, or an
+    error naming the mask."""
+    if not masks:
+        return [None] * len(images)
+    if len(masks) != len(images):
+        raise _err(f"input 'masks' has {len(masks)} masks for {len(images)} images; connect the loader's masks "
+                   "output (one per image)")
+    out = []
+    for i, (m, image) in enumerate(zip(masks, images)):
+        m = m[None] if isinstance(m, torch.Tensor) and m.ndim == 2 else m
+        if not isinstance(m, torch.Tensor) or m.ndim != 3:
+            raise _err(f"input 'masks': mask {i} (0-based) is not a MASK (B, H, W); connect the loader's masks")
+        if isinstance(image, torch.Tensor) and tuple(m.shape[1:]) != tuple(image.shape[1:3]):
+            raise _err(f"input 'masks': mask {i} (0-based) is {m.shape[2]}x{m.shape[1]} px but image {i} is "
+                       f"{image.shape[2]}x{image.shape[1]} px; connect the masks of the same images, in order")
+        out.append(m.float())
+    return out
+
+
 def _empty_texts(texts: list[Any]) -> str:
     """A report sentence naming the empty texts among non-empty ones (an image without its .txt caption
     trains on the empty caption), or ''."""
@@ -191,16 +211,22 @@ class PrecisionResolutionBuckets(PrecisionNode):
                 io.String.Input("texts", optional=True, force_input=True,
                                 tooltip="The captions of PrecisionLoadImageDataset or LoadImageTextDataSetFromFolder: passed through in the same order."),
                 io.Model.Input("model", optional=True, tooltip="The model to train: sets the multiple when 'multiple' is 0."),
+                io.Mask.Input("masks", optional=True,
+                              tooltip="One mask per image at the image's size (PrecisionLoadImageDataset's masks): "
+                                      "scaled and cropped exactly as its image, for Train LoRA's mask."),
             ],
             outputs=[
                 io.Image.Output(display_name="images", is_output_list=True, tooltip="The images at their bucket sizes, in input order."),
                 io.String.Output(display_name="texts", is_output_list=True, tooltip="The texts, unchanged and in the same order."),
                 io.String.Output(display_name="report", tooltip="Buckets and their image counts, and where the multiple came from."),
+                io.Mask.Output(display_name="masks", is_output_list=True,
+                               tooltip="The masks at their images' bucket sizes, in input order (the whole image "
+                                       "where none is connected): connect to Train LoRA's mask."),
             ],
         )
 
     @classmethod
-    def execute(cls, images, resolution, multiple, max_upscale, texts=None, model=None) -> io.NodeOutput:
+    def execute(cls, images, resolution, multiple, max_upscale, texts=None, model=None, masks=None) -> io.NodeOutput:
         resolution, multiple, max_upscale = resolution[0], multiple[0], max_upscale[0]
         model = model[0] if model else None
         texts = list(texts) if texts else []
@@ -209,14 +235,17 @@ class PrecisionResolutionBuckets(PrecisionNode):
         if texts and len(texts) != len(images):
             raise _err(f"input 'texts' has {len(texts)} entries for {len(images)} images; connect the loader's "
                        "texts output (one per image)")
+        masks = _masks(list(masks) if masks else [], images)
         step, source = resolve_multiple(multiple, model)
         fitted, counts = bucket_images(images, resolution, step, max_upscale)
+        fitted_masks = [fit(m[..., None], (int(f.shape[2]), int(f.shape[1])))[..., 0] if m is not None
+                        else torch.ones(f.shape[:3], dtype=torch.float32) for m, f in zip(masks, fitted)]
         rows = ", ".join(f"{w}x{h} ({n})" for (w, h), n in sorted(counts.items(), key=lambda kv: -kv[1]))
         report = (f"{len(fitted)} images -> {len(counts)} buckets of about {resolution}^2 px: {rows}; "
                   f"multiple {step} px ({source})")
         report += _empty_texts(texts)
         log.info("%s: %s", NODE, report)
-        return io.NodeOutput(fitted, texts, report)
+        return io.NodeOutput(fitted, texts, report, fitted_masks)
 
 
 NODES = [PrecisionResolutionBuckets]

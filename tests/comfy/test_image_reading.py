@@ -89,7 +89,7 @@ def _load_stock_extras(*files: str) -> None:
 
 
 def _load(node, name, alpha="white", animated="first_frame", missing_caption="train_empty"):
-    return node.execute(name, alpha, animated, missing_caption).result
+    return node.execute(name, alpha, animated, missing_caption).result[:3]
 
 
 def test_each_image_kind_decodes_to_what_the_file_shows(node, folder):

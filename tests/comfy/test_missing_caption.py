@@ -121,7 +121,7 @@ def test_the_latents_made_from_the_node_hold_what_the_files_show(env):
         exif = tall.getexif()
         exif[0x0112] = 6
         tall.save(os.path.join(root, "c_rotated.png"), exif=exif)
-        images, texts, _ = node_class("PrecisionLoadImageDataset").execute(
+        images, texts, _, _ = node_class("PrecisionLoadImageDataset").execute(
             "precision_latent_kinds", "white", "first_frame", "train_empty").result
         latents, conds = node_class("MakeTrainingDataset").execute(
             images=images, vae=[ColourVAE()], clip=[TextCLIP(env.model)], texts=texts).result[:2]

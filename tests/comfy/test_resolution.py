@@ -20,8 +20,8 @@ def _image(w: int, h: int, colour: float) -> torch.Tensor:
     return torch.full((1, h, w, 3), colour)
 
 
-def _run(res, images, resolution=64, multiple=16, max_upscale=2.0, texts=None, model=None):
-    kw = {}
+def _run(res, images, resolution=64, multiple=16, max_upscale=2.0, texts=None, model=None, masks=None):
+    kw = {} if masks is None else {"masks": masks}
     if texts is not None:
         kw["texts"] = texts
     if model is not None:
@@ -46,7 +46,7 @@ def test_buckets_are_multiples_near_the_target_area_within_the_aspect_range(res,
 def test_images_are_fitted_in_order_and_texts_pass_through(res):
     images = [_image(100, 75, 0.1), _image(75, 100, 0.2), _image(64, 64, 0.3), _image(160, 40, 0.4)]
     texts = ["a", "b", "", "d"]
-    fitted, out_texts, report = _run(res, images, texts=texts)
+    fitted, out_texts, report, _ = _run(res, images, texts=texts)
     assert out_texts == texts
     for img, src in zip(fitted, images):
         _, h, w, c = img.shape
@@ -70,9 +70,9 @@ def test_center_crop_keeps_the_middle(res):
 def test_the_multiple_comes_from_the_model(res):
     assert res.pixel_multiple(tiny_cosmos()) == 16  # patch 2 x VAE 8
     assert res.pixel_multiple(tiny_flux1()) == 16
-    _, _, report = _run(res, [_image(64, 64, 0.5)], multiple=0, model=tiny_cosmos())
+    _, _, report, _ = _run(res, [_image(64, 64, 0.5)], multiple=0, model=tiny_cosmos())
     assert "multiple 16 px (from the model (cosmos_predict2: patch 2 x VAE 8))" in report
-    _, _, report = _run(res, [_image(64, 64, 0.5)], multiple=0)
+    _, _, report, _ = _run(res, [_image(64, 64, 0.5)], multiple=0)
     assert "multiple 16 px (default (no model connected))" in report
 
 
@@ -134,5 +134,24 @@ def test_wan22_5b_multiple_is_its_vae_16_times_patch_2(res):
 
     wan = families.build("WAN22_T2V")
     assert res.pixel_multiple(wan) == 32
-    _, _, report = _run(res, [_image(80, 48, 0.5)], multiple=0, model=wan)
+    _, _, report, _ = _run(res, [_image(80, 48, 0.5)], multiple=0, model=wan)
     assert "multiple 32 px (from the model (" in report and "patch 2 x VAE 16))" in report, report
+
+
+def test_masks_are_scaled_and_cropped_as_their_images(res):
+    """A mask is fitted exactly as its image (here each mask is its image's red channel: after bucketing it still
+    is, pixel for pixel); without masks the output is the whole image; a mask of another size than its image, or
+    a count that does not pair, is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(1, 60, 100, 3, generator=g), torch.rand(1, 100, 60, 3, generator=g)]
+    masks = [im[..., 0].clone() for im in images]
+    fitted, _, _, fitted_masks = _run(res, images, masks=masks)
+    for image, mask in zip(fitted, fitted_masks):
+        assert mask.shape == image.shape[:3] and torch.equal(mask, image[..., 0])
+    _, _, _, whole = _run(res, images)
+    assert [tuple(m.shape) for m in whole] == [tuple(f.shape[:3]) for f in fitted]
+    assert all(bool((m == 1).all()) for m in whole)
+    with pytest.raises(ValueError, match=r"input 'masks': mask 1 \(0-based\) is 60x60 px but image 1 is 60x100 px"):
+        _run(res, images, masks=[masks[0], torch.ones(1, 60, 60)])
+    with pytest.raises(ValueError, match=r"input 'masks' has 1 masks for 2 images"):
+        _run(res, images, masks=masks[:1])

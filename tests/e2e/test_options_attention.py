@@ -11,6 +11,7 @@ import re
 import sys
 
 import pytest
+import safetensors
 import torch
 from PIL import Image
 
@@ -33,6 +34,7 @@ IMAGES = {"wide": (100, 60, (200, 30, 30)), "tall": (60, 100, (30, 200, 30)), "s
 
 
 MIXED = "options_mixed"  # a transparent PNG, an animated GIF (red, then blue), an image without caption
+MASKS = "options_masks"  # m.png with m_mask.png (its left half white), n.png transparent in its bottom half
 
 
 def _write_images(base: str) -> None:
@@ -50,6 +52,18 @@ def _write_images(base: str) -> None:
     Image.new("RGB", (16, 16), (0, 255, 0)).save(os.path.join(mixed, "b_nocap.png"))
     for name in ("a_anim", "c_clear"):
         with open(os.path.join(mixed, f"{name}.txt"), "w") as f:
+            f.write(name)
+    masks = os.path.join(base, "input", MASKS)
+    os.makedirs(masks, exist_ok=True)
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(os.path.join(masks, "m.png"))
+    left = Image.new("L", (64, 64), 0)
+    left.paste(255, (0, 0, 32, 64))
+    left.save(os.path.join(masks, "m_mask.png"))
+    top = Image.new("RGBA", (64, 64), (30, 30, 200, 0))
+    top.paste((30, 30, 200, 255), (0, 0, 64, 32))
+    top.save(os.path.join(masks, "n.png"))
+    for name in ("m", "n"):
+        with open(os.path.join(masks, f"{name}.txt"), "w") as f:
             f.write(name)
 
 
@@ -205,6 +219,43 @@ def test_load_image_dataset_alpha_animation_and_missing_captions(opts):
         refused[key] = opts.failure(g)
     for name, message in refused.items():
         assert "PrecisionLoadImageDataset" in message and name in message, (name, message)
+
+
+def test_dataset_masks_follow_their_images_into_training(opts):
+    """Load Image Dataset's mask (files, alpha, none) through /prompt: its masks, through Resolution Buckets' masks
+    (cropped as their images), saved as images (ComfyUI's MaskToImage) show the mask file's left half and the
+    alpha channel's top half; given to Train LoRA's mask they train the two demo samples masked (the saved LoRA's
+    metadata)."""
+    g = Graph()
+    ids = {}
+    for how in ("files", "alpha", "none"):
+        data = g.add("PrecisionLoadImageDataset", folder=MASKS, alpha="white", animated="first_frame",
+                     missing_caption="train_empty", mask=how)
+        ids[how] = g.add("PrecisionResolutionBuckets", images=out(data, 0), texts=out(data, 1), resolution=64,
+                         multiple=16, max_upscale=2.0, masks=out(data, 3))
+        ids[how + "_save"] = g.add("SaveImage", images=out(g.add("MaskToImage", mask=out(ids[how], 3))),
+                                   filename_prefix=f"options/masks_{how}")
+    model = g.add("PrecisionLoadDiffusionModel", model_name=FLUX, weight_dtype="fp32")
+    attach = g.add("PrecisionAttachLoRA", model=out(model), **ATTACH)
+    cond = g.add("PrecisionDemoConditioning", model=out(model), text="sks", seed=0, tokens=8)
+    latent = g.add("PrecisionDemoLatent", model=out(model), width=64, height=64, batch_size=2, seed=1)
+    train = g.add("PrecisionTrainLoRA", model=out(attach), latents=out(latent), conditioning=out(cond), steps=1,
+                  seed=0, name="options_masks", mask=out(ids["files"], 3))
+    save = g.add("PrecisionSaveLoRA", model=out(train), filename_prefix="options/options_masks", folder="loras",
+                 save_dtype="fp32", key_style="auto", use_counter=True, overwrite=False)
+    entry = opts.run_all({"g": g})["g"]
+    shown = {}
+    for how in ("files", "alpha", "none"):
+        images = entry["outputs"][ids[how + "_save"]]["images"]
+        shown[how] = [Image.open(opts.path("output", i["subfolder"], i["filename"])).convert("L") for i in images]
+    files, alpha = shown["files"], shown["alpha"]
+    assert [files[0].getpixel(p) for p in ((8, 32), (56, 32))] == [255, 0]  # m_mask.png: the left half
+    assert [files[1].getpixel(p) for p in ((8, 8), (56, 56))] == [255, 255]  # n.png has no mask file: whole
+    assert [alpha[1].getpixel(p) for p in ((32, 8), (32, 56))] == [255, 0]  # n.png's opaque top half
+    assert [alpha[0].getpixel(p) for p in ((8, 8), (56, 56))] == [255, 255]  # m.png is opaque
+    assert all(im.getextrema() == (255, 255) for im in shown["none"])  # none: whole-image masks
+    with safetensors.safe_open(entry["outputs"][save]["text"][0], "pt") as f:
+        assert f.metadata()["precision_lora_mask"] == "2 of 2 samples masked, unmasked_weight 0"
 
 
 def test_demo_nodes_shape_their_outputs(opts):

@@ -38,11 +38,12 @@ from training.settings import TrainSettings  # noqa: E402
 
 DIM = 8
 RTOL, ATOL = 1e-5, 1e-5
-# A global batch of 4 of 6 samples, 2 micro-batches per step, DOP every second step, clipping, warmup:
-# every stream of randomness and every per-step rule the loop has is exercised.
+# A global batch of 4 of 5 samples (a sixth held out for the validation loss every second step), 2 micro-batches
+# per step, DOP every second step, clipping, warmup: every stream of randomness and every per-step rule the loop has
+# is exercised.
 SETTINGS = dict(learning_rate=2e-2, lr_schedule="cosine", warmup_steps=2, schedule_steps=12, batch_size=4,
                 grad_accum=2, max_grad_norm=0.5, timestep_sampling="logit_normal", dop_multiplier=0.5,
-                dop_every_n=2)
+                dop_every_n=2, validate_every_n_steps=2, validation_fraction=0.2)
 
 
 def _settings(**extra) -> TrainSettings:
@@ -55,6 +56,10 @@ def _data():
 
 def _losses(state) -> list[float]:
     return [p["loss"] for p in state.history]
+
+
+def _validation(state) -> list[tuple[int, float]]:
+    return [(p["step"], p["val_loss"]) for p in state.history if p.get("val_loss") is not None]
 
 
 # ---- the worker (one per rank) ----
@@ -167,6 +172,9 @@ def test_two_ranks_equal_one_process_of_the_same_global_batch(two_ranks) -> None
     assert _losses(rank0) == pytest.approx(_losses(ref), rel=RTOL)
     assert [p["dop"] is None for p in rank0.history] == [p["dop"] is None for p in ref.history]
     assert torch.equal(rank0.generator, ref.generator)  # the same randomness was drawn
+    # The held-out validation loss: every rank measures the same curve, and one process measures it too.
+    assert _validation(rank0) == _validation(rank1) and [s for s, _ in _validation(rank0)] == [2, 4, 6]
+    assert [v for _, v in _validation(rank0)] == pytest.approx([v for _, v in _validation(ref)], rel=RTOL)
     for name, value in ref.lora.items():
         torch.testing.assert_close(rank0.lora[name], value, rtol=0, atol=ATOL)
     assert float(ref.lora["up"].abs().max()) > 1e-2  # it trained: the comparison is not between zeros
