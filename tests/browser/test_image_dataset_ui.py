@@ -56,3 +56,69 @@ def test_load_image_dataset_report_shows_on_the_page(comfy_page, comfy_server):
     assert "c_nocap.png: no caption (c_nocap.txt not found): trains on the empty caption" in lines
     assert comfy_page.wait_for(PREVIEW_TEXT, timeout=30) == report
     assert comfy_page.pack_errors() == []
+
+
+MASKS = "image_dataset_ui_masks"
+ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", blocks="", fp32_accumulation=True,
+              dropout=0.0, rank_dropout=0.0, module_dropout=0.0, rslora=False, param_dtype="fp32", seed=0,
+              dry_run=False, init_lora="none")
+
+
+def test_masked_training_with_the_best_validation_lora_from_the_page(comfy_page, comfy_server):
+    """Masked loss and keep_best_validation from the page: Load Image Dataset's mask (alpha) through Resolution
+    Buckets' masks into Train LoRA's mask, Train Settings' unmasked_weight and keep_best_validation; the page queues
+    the links and values as dropped and the saved LoRA says what the server did with them."""
+    from training.settings import TrainSettings
+
+    path = os.path.join(comfy_server.base_dir, "input", MASKS)
+    os.makedirs(path, exist_ok=True)
+    top = np.zeros((64, 64, 4), dtype=np.uint8)
+    top[:32] = (30, 30, 200, 255)  # the top half opaque
+    Image.fromarray(top, "RGBA").save(os.path.join(path, "n.png"))
+    with open(os.path.join(path, "n.txt"), "w", encoding="utf-8") as f:
+        f.write("n")
+    settings = TrainSettings(learning_rate=1e-2, unmasked_weight=0.25, validate_every_n_steps=1,
+                             validation_fraction=0.5, keep_best_validation=True).to_dict()
+    prompt = {
+        "1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
+            "folder": MASKS, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty",
+            "mask": "alpha"}},
+        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
+            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0,
+            "masks": ["1", 3]}},
+        "3": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {
+            "model_name": "precision_tiny_flux1_dev.safetensors", "weight_dtype": "fp32"}},
+        "4": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["3", 0], **ATTACH}},
+        "5": {"class_type": "PrecisionDemoConditioning", "inputs": {"model": ["3", 0], "text": "sks", "seed": 0,
+                                                                    "tokens": 8}},
+        "6": {"class_type": "PrecisionDemoLatent", "inputs": {"model": ["3", 0], "width": 64, "height": 64,
+                                                              "batch_size": 2, "seed": 1}},
+        "7": {"class_type": "PrecisionTrainSettings", "inputs": settings},
+        "8": {"class_type": "PrecisionTrainLoRA", "inputs": {
+            "model": ["4", 0], "latents": ["6", 0], "conditioning": ["5", 0], "settings": ["7", 0], "steps": 3,
+            "seed": 0, "name": "ui_masks", "mask": ["2", 3]}},
+        "9": {"class_type": "PrecisionSaveLoRA", "inputs": {
+            "model": ["8", 0], "filename_prefix": "ui_masks/ui_masks", "folder": "loras", "save_dtype": "fp32",
+            "key_style": "auto", "use_counter": True, "overwrite": False}},
+    }
+    _drop_api_text(comfy_page, "masked_training_api.json", json.dumps(prompt))
+    entry = _run_from_page(comfy_page, comfy_server)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+    sent = entry["prompt"][2]
+    assert sent["8"]["inputs"]["mask"] == ["2", 3] and sent["2"]["inputs"]["masks"] == ["1", 3], sent
+    assert sent["1"]["inputs"]["mask"] == "alpha" and sent["7"]["inputs"]["unmasked_weight"] == 0.25 and \
+        sent["7"]["inputs"]["keep_best_validation"] is True, sent
+    md = _metadata(entry["outputs"]["9"]["text"][0])
+    assert md["precision_lora_mask"] == "2 of 2 samples masked, unmasked_weight 0.25", md
+    best, step = md["precision_lora_validation_best"].split(" at step ")
+    assert md["precision_lora_kept"] == (f"the LoRA of step {step} of 3: the lowest validation loss ({best}; "
+                                         "keep_best_validation)"), md
+    assert comfy_page.pack_errors() == []
+
+
+
+def _metadata(path: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata()
