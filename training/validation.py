@@ -53,7 +53,7 @@ def validation_loss(module: torch.nn.Module, samples: Sequence[Any], fns: Any, w
             gen = torch.Generator().manual_seed(NOISE_SEED + i)
             noise = torch.randn(x0.shape, generator=gen, dtype=torch.float32).to(fns.device)
             u = torch.tensor(VALIDATION_U, dtype=torch.float64)
-            cells = cell_weights([getattr(sample, "mask", None)] * rows, unmasked_weight, x0)
+            cells = cell_weights([sample.mask] * rows, unmasked_weight, x0)
             value, _ = loss(fns, fns.predict, x0, noise, u, fns.sigma_of_u(u), fns.collate([sample.cond] * rows),
                             weighting, cells)
             total += float(value)
