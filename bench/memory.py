@@ -104,25 +104,29 @@ def _conditioning(model: Any, nodes: Any, tokens: int) -> list:
 
 
 def run_step(model: Any, *, size: int, rank: int, checkpointing: bool, targets: str = "attention",
-             tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_gemm: bool = False,
-             device: Any = None, on_second_step: Callable[[], None] | None = None, offload: bool = False) -> dict:
+             tokens: int = 512, steps: int = 2, fp32_accumulation: bool = True, cuda_kernels: bool = False,
+             device: Any = None, on_second_step: Callable[[], None] | None = None, offload: bool = False,
+             swap_blocks: int = 0, keep: dict | None = None) -> dict:
     """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds) at a
     square ``size`` with ``tokens`` text tokens; the step is the pack's (``memory_estimate.run_step``).
-    ``cuda_gemm`` (fake tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no
+    ``cuda_kernels`` (fake tensors only): the fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``, no
     fp32 copies of the operands; the CPU path upcasts them, a temporary a GPU never makes). ``device``:
     where the inputs go (the model's device; default cpu); ``on_second_step``: called before the tracked steps;
-    ``offload``: the checkpointed blocks' inputs wait for backward in host memory (``offload_block_inputs``)."""
+    ``offload``: the checkpointed blocks' inputs wait for backward in host memory (``offload_block_inputs``);
+    ``swap_blocks`` (real tensors, with ``checkpointing``): that many blocks stream through ``training.swap``;
+    ``keep``: receives the trained copy (``memory_estimate.run_step``)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     settings = _pack("training.settings").TrainSettings(gradient_checkpointing=checkpointing,
-                                                        offload_block_inputs=offload and checkpointing)
+                                                        offload_block_inputs=offload and checkpointing,
+                                                        swap_blocks=swap_blocks)
     cfg = _pack("lora.config").LoRAConfig(rank=rank, alpha=float(rank), targets=targets,
                                           fp32_accumulation=fp32_accumulation)
     with torch.inference_mode(False), unset_fake_temporarily():  # real (small) inputs: the data checks read values
         x0, cond = _inputs(model, size, tokens, device)
-    return _estimate().run_step(model, x0, [cond], cfg, settings, steps=steps, cuda_gemm=cuda_gemm, device=device,
-                                on_second_step=on_second_step)
+    return _estimate().run_step(model, x0, [cond], cfg, settings, steps=steps, cuda_kernels=cuda_kernels, device=device,
+                                on_second_step=on_second_step, keep=keep)
 
 
 BASES = {"bf16": ("bfloat16", None), "fp8": ("float8_e4m3fn", "bfloat16")}
@@ -204,14 +208,15 @@ def lora_param_bytes(name: str, base: str, rank: int, targets: str) -> int:
 
 
 def tracked(name: str, size: int, rank: int, base: str, checkpointing: bool, targets: str,
-            offload: bool = False) -> dict:
-    """``run_step`` of the released model ``name`` at real size, on fake tensors."""
+            offload: bool = False, cuda_kernels: bool = True) -> dict:
+    """``run_step`` of the released model ``name`` at real size, on fake tensors (``cuda_kernels``: the base GEMM as on
+    CUDA, what a GPU run plans with; False: as the CPU runs it)."""
     import memory_models
 
     mode, model = fake_model(name, base)
     with mode:
         return run_step(model, size=size, rank=rank, checkpointing=checkpointing, targets=targets,
-                        tokens=memory_models.MODELS[name].text_tokens, cuda_gemm=True, offload=offload)
+                        tokens=memory_models.MODELS[name].text_tokens, cuda_kernels=cuda_kernels, offload=offload)
 
 
 def step_cost(run: dict):

@@ -210,7 +210,7 @@ def plan_step(model: Any, cfg: TrainSettings, latents: list, conditioning: list,
     return PlanStep(cfg, session, line)
 
 
-def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_gemm: bool,
+def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, cuda_kernels: bool,
              say: Callable[[str], None] = lambda text: None):
     """``cost(checkpointing, offload=False)`` for ``choose`` (estimated lazily, cached) and the notes its
     estimates add to the report (filled as ``choose`` asks)."""
@@ -219,7 +219,7 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
     with torch.inference_mode(False):
         x0, conds = _batch(model, cfg, latents, conditioning)
     base = (_config_key(model), repr(lora), tuple(x0.shape), _shapes(conds[0]), cfg.optimizer, cfg.loss_weighting,
-            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cuda_gemm)
+            cfg.grad_accum, cfg.learning_rate, cfg.loraplus_ratio, cuda_kernels)
     notes: list[str] = []
 
     def cost(checkpointing: bool, offload: bool = False) -> StepCost:
@@ -229,7 +229,7 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
                 ", block inputs in host memory" if offload else "")
             say(f"vram_budget_gb: estimating this model's training step at its real size on the CPU "
                 f"({what}) before loading it ...")
-            _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_gemm, offload)
+            _COSTS[key] = _estimate(model, lora, cfg, x0, conds, checkpointing, cuda_kernels, offload)
         cost_, note = _COSTS[key]
         if note and note not in notes:
             notes.append(note)
@@ -239,7 +239,7 @@ def _cost_fn(model: Any, cfg: TrainSettings, latents: list, conditioning: list, 
 
 
 def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds: list, checkpointing: bool,
-              cuda_gemm: bool, offload: bool = False) -> tuple[StepCost, str]:
+              cuda_kernels: bool, offload: bool = False) -> tuple[StepCost, str]:
     """The step's cost at ``checkpointing`` (block inputs in host memory for ``offload``) and a note for the
     report ("" when the estimate is as asked)."""
     settings = dataclasses.replace(cfg, gradient_checkpointing=checkpointing, swap_blocks=0, vram_budget_gb="0",
@@ -250,13 +250,13 @@ def _estimate(model: Any, lora: Any, cfg: TrainSettings, x0: torch.Tensor, conds
     began, note = time.monotonic(), ""
     try:
         try:
-            run = _fake_run(model, x0, conds, lora, settings, cuda_gemm)
+            run = _fake_run(model, x0, conds, lora, settings, cuda_kernels)
         except Exception as exc:  # an optimizer that reads values (fake tensors have none)
             if settings.optimizer == "adamw" or _reads_values(exc):
                 raise
             note = (f" (optimizer {settings.optimizer} cannot run on fake tensors: estimated with adamw's two fp32 "
                     f"moments instead; {type(exc).__name__})")
-            run = _fake_run(model, x0, conds, lora, dataclasses.replace(settings, optimizer="adamw"), cuda_gemm)
+            run = _fake_run(model, x0, conds, lora, dataclasses.replace(settings, optimizer="adamw"), cuda_kernels)
     except Exception as exc:
         if not _reads_values(exc):
             raise
@@ -278,11 +278,11 @@ def _reads_values(exc: BaseException) -> bool:
     return isinstance(exc, DataDependentOutputException)
 
 
-def _fake_run(model: Any, x0: torch.Tensor, conds: list, lora: Any, settings: TrainSettings, cuda_gemm: bool) -> dict:
+def _fake_run(model: Any, x0: torch.Tensor, conds: list, lora: Any, settings: TrainSettings, cuda_kernels: bool) -> dict:
     with torch.inference_mode(False):
         mode, twin = fake_twin(model)
         with mode:
-            return run_step(twin, x0, conds, lora, settings, cuda_gemm=cuda_gemm)
+            return run_step(twin, x0, conds, lora, settings, cuda_kernels=cuda_kernels)
 
 
 def _batch(model: Any, cfg: TrainSettings, latents: list, conditioning: list) -> tuple[torch.Tensor, list]:

@@ -83,27 +83,75 @@ def fake_twin(model: Any) -> tuple[Any, Any]:
     return mode, patcher
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """``F.rms_norm`` as CUDA runs it, for fake tensors: ``aten::_fused_rms_norm``, one kernel whose backward
+    (``_fused_rms_norm_backward(grad, input, normalized_shape, rstd, weight, output_mask)``, torch's own signature)
+    reads the input, the weight and the fp32 reciprocal RMS of each row, so those are what autograd keeps. On the
+    CPU the op is composite: it upcasts the input to fp32 and keeps two fp32 copies of it (8 bytes an element
+    beside a bf16 input's 2; three with a weight that trains). Only shapes and dtypes: the estimate has no values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int) -> torch.Tensor:
+        rstd = x.new_empty(tuple(x.shape[:x.ndim - dims]) + (1,) * dims, dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, _ = ctx.saved_tensors
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(weight) if weight is not None and ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _fused_rms_norm(cpu_rms_norm: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``F.rms_norm``'s signature: fake tensors as CUDA's fused kernel keeps them (``_FusedRMSNorm``), anything
+    else as ``cpu_rms_norm``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def rms_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+                 eps: float | None = None) -> torch.Tensor:
+        if not isinstance(input, FakeTensor):
+            return cpu_rms_norm(input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, weight, len(tuple(normalized_shape)))
+
+    return rms_norm
+
+
 @contextlib.contextmanager
-def _cuda_gemm(on: bool):
-    """The fp32-output base GEMM as on CUDA (``mm`` with ``out_dtype``: no fp32 copies of the operands; the
-    CPU path upcasts them, a temporary a GPU never makes). Fake tensors only."""
-    cpu_gemm = linear._gemm_fp32_out
+def _cuda_kernels(on: bool):
+    """The kernels whose memory differs on CUDA, as CUDA runs them (fake tensors only; docs/memory.md, "What is
+    counted"): the fp32-output base GEMM (``mm`` with ``out_dtype``: no fp32 copies of the operands; the CPU path
+    upcasts them, a temporary a GPU never makes) and ``F.rms_norm`` (``_FusedRMSNorm``; ComfyUI 0.3.75's
+    ``comfy.rmsnorm`` holds its own reference to it)."""
+    import comfy.rmsnorm
+
+    cpu_gemm, cpu_rms = linear._gemm_fp32_out, torch.nn.functional.rms_norm
+    held = getattr(comfy.rmsnorm, "rms_norm_torch", None)
     if on:
         linear._gemm_fp32_out = lambda a, b_t: torch.mm(a, b_t, out_dtype=torch.float32)
+        torch.nn.functional.rms_norm = _fused_rms_norm(cpu_rms)
+        if held is not None:
+            comfy.rmsnorm.rms_norm_torch = _fused_rms_norm(held)
     try:
         yield
     finally:
         linear._gemm_fp32_out = cpu_gemm
+        torch.nn.functional.rms_norm = cpu_rms
+        if held is not None:
+            comfy.rmsnorm.rms_norm_torch = held
 
 
 def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settings: TrainSettings, *,
-             steps: int = 2, cuda_gemm: bool = False, device: Any = None,
-             on_second_step: Callable[[], None] | None = None) -> dict:
+             steps: int = 2, cuda_kernels: bool = False, device: Any = None,
+             on_second_step: Callable[[], None] | None = None, keep: dict | None = None) -> dict:
     """Track ``steps`` training steps of ``model`` (fake or real tensors: whatever the model holds) with a
     LoRA of config ``lora`` attached, on the batch ``x0`` (B, ...) with one processed cond per row
     (``conds``), checkpointing and optimizer as ``settings`` say; returns bytes by kind, the peak, the five
     largest saved tensors, FLOPs and each swappable block's weight bytes. ``device``: where the model's
-    inputs are (default cpu); ``on_second_step``: called before the tracked steps."""
+    inputs are (default cpu); ``on_second_step``: called before the tracked steps. ``settings.swap_blocks`` (real
+    tensors only: a fake weight cannot be packed): that many checkpointed blocks stream to ``device`` as in a run
+    (``training.swap``). ``keep``: receives the trained copy (``"model"``, ``"lora_set"``) for the caller to save."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.inference_mode(False):
@@ -120,7 +168,9 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
         undo = patched_forwards(attached)
         try:
             blocks = checkpointed_blocks(dm, settings.gradient_checkpointing)
-            with _cuda_gemm(cuda_gemm), step_context(attached, lora_set, settings, blocks):
+            swapped = blocks[:settings.swap_blocks]
+            with _cuda_kernels(cuda_kernels), step_context(attached, lora_set, settings, blocks, swapped,
+                                                     device or torch.device("cpu")):
                 lora_set.train(True)
 
                 def predict(*args: Any) -> Any:  # notes the forward's attention FLOPs (no recomputation)
@@ -138,6 +188,8 @@ def run_step(model: Any, x0: torch.Tensor, conds: list, lora: LoRAConfig, settin
                 if on_second_step is not None:
                     on_second_step()
                 tracker, census = memory_step.tracked_steps(step, [dm, lora_set], optimizer, steps - 1, grad)
+            if keep is not None:
+                keep.update(model=attached, lora_set=lora_set)
         finally:
             for owner, attr, had in undo:
                 if not had:

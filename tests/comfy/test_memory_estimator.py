@@ -75,7 +75,7 @@ def test_checkpointing_lowers_the_estimated_activations(pack_module, one_thread)
 
 def test_fp32_lora_activations_within_5_percent_of_a_bf16_lora(pack_module, one_thread):
     """#29: fp32 accumulation costs no activation memory (the fp32 path saves bf16 inputs)."""
-    kinds = {fp32: _estimated(pack_module, False, size=256, fp32_accumulation=fp32, cuda_gemm=True)["by_kind"]
+    kinds = {fp32: _estimated(pack_module, False, size=256, fp32_accumulation=fp32, cuda_kernels=True)["by_kind"]
              for fp32 in (True, False)}
     act = {fp32: k["Activation"] + k["Temp"] for fp32, k in kinds.items()}
     assert act[True] <= 1.05 * act[False], act
@@ -115,6 +115,47 @@ def test_the_estimate_follows_a_change_to_the_training_session(pack_module, one_
         out, lora_set = tglue.fork_lora(glue.attach_lora(model, cfg))
         with tglue.training_session(out, lora_set, pack_module("training.settings").TrainSettings()):
             assert entered == [type(out.model.diffusion_model).__name__]
+
+
+def _saved_by_rms_norm(call) -> list[tuple]:
+    """(shape, dtype) of each tensor autograd keeps for one rms_norm call on a fake bf16 (2, 16, 128) input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: list[tuple] = []
+    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(
+            lambda t: (saved.append((tuple(t.shape), t.dtype)), t)[1], lambda t: t):
+        x = torch.empty(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+        out = call(x, torch.empty(128, dtype=torch.bfloat16))
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        out.sum().backward()
+        assert x.grad.shape == x.shape
+    return saved
+
+
+def test_cuda_kernels_keep_what_cudas_fused_rms_norm_keeps(pack_module):
+    """#39: on the CPU F.rms_norm is composite and keeps two fp32 copies of its input for backward (three when
+    the weight trains; the estimate used to count them); CUDA's fused kernel (aten::_fused_rms_norm, whose backward takes the input, the
+    weight and the fp32 rstd) keeps the bf16 input and one fp32 value per row. Under ``cuda_kernels`` the estimate
+    keeps what CUDA keeps, through F.rms_norm and ComfyUI's own rms_norm (0.3.75 holds its own reference)."""
+    import comfy.rmsnorm
+
+    estimate = pack_module("nodes.train.memory_estimate")
+    calls = {"F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (128,), weight=w, eps=1e-6),
+             "comfy.rmsnorm.rms_norm": lambda x, w: comfy.rmsnorm.rms_norm(x, w, 1e-6)}
+    for name, call in calls.items():
+        cpu = _saved_by_rms_norm(call)
+        assert sum(1 for shape, dtype in cpu if shape == (2, 16, 128) and dtype == torch.float32) == 2, (name, cpu)
+        with estimate._cuda_kernels(True):
+            cuda = _saved_by_rms_norm(call)
+        assert sorted(cuda, key=str) == sorted([((2, 16, 128), torch.bfloat16), ((128,), torch.bfloat16),
+                                                ((2, 16, 1), torch.float32)], key=str), (name, cuda)
+        assert _saved_by_rms_norm(call) == cpu  # restored on exit
+    # real tensors run the CPU's op even inside (the model is exact where values exist)
+    x, w = torch.randn(2, 16, 128), torch.randn(128)
+    with estimate._cuda_kernels(True):
+        assert torch.equal(torch.nn.functional.rms_norm(x, (128,), w, 1e-6),
+                           torch.nn.functional.rms_norm(x.clone(), (128,), w, 1e-6))
+        assert torch.nn.functional.rms_norm(x, (128,), w, 1e-6).grad_fn is None
 
 
 def test_the_stock_tracker_refuses_frozen_parameters_and_ours_counts_them():

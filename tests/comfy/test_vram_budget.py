@@ -53,7 +53,7 @@ def test_the_node_estimate_equals_bench_memory(pack_module, budget, one_thread):
     model = _model(pack_module)
     settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8")
     latents, conds = _run_inputs(pack_module, model)
-    cost, _ = budget._cost_fn(_attached(pack_module, model), settings, latents, conds, cuda_gemm=False)
+    cost, _ = budget._cost_fn(_attached(pack_module, model), settings, latents, conds, cuda_kernels=False)
     node = cost(True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         twin = memory_models.build(pack_module("demo.tiny_models").cosmos_width_config(256, 2), torch.bfloat16, None,
@@ -77,7 +77,7 @@ def test_the_estimate_counts_the_lora_sets_the_run_keeps_beside_the_trained_one(
     out, trained = glue.fork_lora(_attached(pack_module, model))
     latents, conds = _run_inputs(pack_module, model)
     settings = pack_module("training.settings").TrainSettings(vram_budget_gb="8")
-    alone = budget._cost_fn(out, settings, latents, conds, cuda_gemm=False)[0](True)
+    alone = budget._cost_fn(out, settings, latents, conds, cuda_kernels=False)[0](True)
     assert alone.upstream == _bytes(trained) > 0  # the set it was forked from: a copy of the same size
     # what bench/memory_table.py --replan adds to rows stored before: bench/memory.py --lora-bytes's count
     assert alone.upstream == sum(
@@ -87,7 +87,7 @@ def test_the_estimate_counts_the_lora_sets_the_run_keeps_beside_the_trained_one(
         loaded = lora_glue._new_lora_set(cfg, lora_glue.plan_targets(model, cfg))
     stacked = lora_glue.install(out, loaded, attachment_key=None)  # the trained set stays the attached one
     assert lora_glue.get_lora_set(stacked) is trained
-    both = budget._cost_fn(stacked, settings, latents, conds, cuda_gemm=False)[0](True)
+    both = budget._cost_fn(stacked, settings, latents, conds, cuda_kernels=False)[0](True)
     assert both.upstream == _bytes(trained) + _bytes(loaded) and both.peak == alone.peak  # the step itself: cached
     mp = pack_module("training.memory_plan")
     assert mp.plan(both, True).tracked_gib * mp.GIB == pytest.approx(alone.peak + both.upstream, abs=0.006 * mp.GIB)
