@@ -31,6 +31,11 @@ def schedule_free(name: str) -> bool:
     return OPTIMIZERS[name].schedule_free
 
 
+def group_lr(name: str) -> bool:
+    """True when optimizer ``name`` steps each parameter group with its own lr (``OptimizerSpec.group_lr``)."""
+    return OPTIMIZERS[name].group_lr
+
+
 def describe() -> list[str]:
     """One line per optimizer for tooltips and logs: name, what it is for, recommended LoRA lr, whether it is
     installed here."""

@@ -40,7 +40,8 @@ class OptimizerSpec:
     ``package``: the optional module it needs (None = torch only). ``lr``: the learning rate to start a LoRA
     with. ``state``: optimizer state per trainable parameter (fp32 masters of bf16 LoRAs not counted).
     ``schedule_free``: the optimizer has ``train()``/``eval()`` modes; previews, checkpoints and the saved
-    LoRA use the eval-mode (averaged) weights."""
+    LoRA use the eval-mode (averaged) weights. ``group_lr``: each parameter group steps with its own ``lr``
+    (LoRA+ gives ``lora_up`` a larger one); False where one step size serves every group."""
 
     build: Build
     package: str | None
@@ -48,6 +49,7 @@ class OptimizerSpec:
     lr: str = "1e-4"
     state: str = "8 B (2 fp32 moments)"
     schedule_free: bool = False
+    group_lr: bool = True
 
 
 def kernel(groups: list[dict]) -> dict[str, bool]:
@@ -174,8 +176,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
                                   "moments)", "1e-4 .. 5e-4", "~2 B (8-bit moments)"),
     "adamw4bit_ao": OptimizerSpec(_torchao("AdamW4bit"), "torchao", "torchao 4-bit AdamW", "1e-4 .. 5e-4",
                                   "~1 B (4-bit moments)"),
+    # pytorch_optimizer's Prodigy steps every group with its d times the first group's lr (prodigyopt refuses groups
+    # of different lr): LoRA+ cannot work with it (training.settings refuses loraplus_ratio != 1)
     "prodigy": OptimizerSpec(_prodigy, PYTORCH_OPTIMIZER, "Prodigy: learns its own step size (learning_rate "
-                             "is a multiplier: use 1.0)", "1.0", "16 B (moments, initial value, s)"),
+                             "is a multiplier: use 1.0; one step size for every group, so no LoRA+)", "1.0",
+                             "16 B (moments, initial value, s)", group_lr=False),
     "schedulefree_adamw": OptimizerSpec(_po("ScheduleFreeAdamW"), PYTORCH_OPTIMIZER, "Schedule-free AdamW: "
                                         "no decay schedule needed (use lr_schedule constant); previews and "
                                         "saves use its averaged weights", "1e-4 .. 1e-3",

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .checks import number_problem
 from .learning import LEARNING_GUARDS
 from .memory_plan import parse_budget
-from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, schedule_free
+from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, group_lr, schedule_free
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
 from .views import EMA_SAVE
 
@@ -115,6 +115,11 @@ class TrainSettings:
             raise _err("warmup_steps", self.warmup_steps, f"must be <= schedule_steps ({self.schedule_steps})")
         if not self.loraplus_ratio > 0:
             raise _err("loraplus_ratio", self.loraplus_ratio, "must be > 0 (1 = plain LoRA, LoRA+ uses ~16)")
+        if self.loraplus_ratio != 1.0 and self.optimizer in OPTIMIZERS and not group_lr(self.optimizer):
+            raise _err("loraplus_ratio", self.loraplus_ratio, f"optimizer {self.optimizer!r} steps every parameter "
+                       "group with one step size (its own estimate times the first group's learning_rate), so "
+                       "lora_up's larger learning rate would be ignored; set loraplus_ratio to 1, or choose an "
+                       "optimizer such as adamw for LoRA+")
         if self.max_grad_norm < 0:
             raise _err("max_grad_norm", self.max_grad_norm, "must be >= 0 (0 disables clipping)")
         if not self.logit_std > 0:

@@ -77,7 +77,7 @@ def _settings_inputs() -> list:
         _int("warmup_steps", 0, 100000, "Linear warmup steps (not with 'constant')."),
         _int("schedule_steps", 1, 1000000, "Horizon of linear/cosine schedules in optimizer steps (whole run, all chained nodes)."),
         _int("restarts", 1, 100, "Cycles of cosine_with_restarts."),
-        _float("loraplus_ratio", 0.01, 100.0, 0.01, "LoRA+: lr of lora_up = lr x ratio (1 = plain LoRA, ~16 typical)."),
+        _float("loraplus_ratio", 0.01, 100.0, 0.01, "LoRA+: lr of lora_up = lr x ratio (1 = plain LoRA, ~16 typical; not with prodigy: one step size for all)."),
         _int("batch_size", 1, 256, "Samples per micro-batch (capped at the dataset size)."),
         _int("grad_accum", 1, 1024, "Micro-batches per optimizer step (the loss is averaged)."),
         _float("max_grad_norm", 0.0, 1000.0, 0.01, "Clip the gradient norm to this (0 = no clipping)."),

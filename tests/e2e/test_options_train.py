@@ -415,6 +415,14 @@ def test_every_registry_optimizer_trains_through_the_server(opts):
     for i, a in enumerate(keys):
         for b in keys[i + 1:]:
             assert differs(runs[a][0], runs[b][0]) > 0, f"{a} and {b} trained the same LoRA"
+    # Prodigy steps every group with one step size: LoRA+ with it is refused at validation, not silently ignored
+    bad, bad_ids = train_graph({"optimizer": "prodigy", "learning_rate": 1.0}, name="o_opt_prodigy_loraplus")
+    bad.nodes[bad_ids["settings"]]["inputs"]["loraplus_ratio"] = 16.0
+    status, body = opts.server.request("/prompt", {"prompt": bad.nodes, "client_id": opts.client_id})
+    assert status == 400, body
+    details = " | ".join(e.get("details", "") for e in body["node_errors"][bad_ids["settings"]]["errors"])
+    assert "TrainSettings.loraplus_ratio=16.0: optimizer 'prodigy' steps every parameter group with one step " \
+           "size" in details, details
 
 
 def test_ema_options_save_and_preview_the_average(opts):

@@ -303,3 +303,31 @@ def test_docs_optimizer_table_is_the_registrys():
     table = doc[doc.index("\n", start) + 1: doc.index("\n<!-- end of generated table -->")]
     assert table == markdown_table()
     assert all(f"| `{name}` |" in table for name in OPTIMIZERS)
+
+
+@pytest.mark.parametrize("name", [n for n, reason in available().items() if reason is None])
+def test_each_optimizer_steps_a_group_with_its_own_lr_or_is_marked_as_one_that_cannot(name):
+    """LoRA+ gives lora_up's group a larger lr: two equal parameters with equal gradients in groups of lr and 16 x lr
+    move 16 x apart with every optimizer marked ``group_lr``. pytorch_optimizer's Prodigy steps every group with
+    its d times the first group's lr (measured: equal steps), so it is marked and LoRA+ refused with it."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(8, 8) * 0.1)
+    b = torch.nn.Parameter(a.detach().clone())
+    lr = 1.0 if name == "prodigy" else 1e-3
+    opt = build_optimizer([{"params": [a], "lr": lr}, {"params": [b], "lr": 16 * lr}],
+                          TrainSettings(optimizer=name, learning_rate=lr))
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    for _ in range(3):
+        g = torch.randn(8, 8)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+    ratio = ((b.detach() - b0).norm() / (a.detach() - a0).norm()).item()
+    assert ratio == pytest.approx(16.0 if OPTIMIZERS[name].group_lr else 1.0, rel=0.01), ratio
+
+
+def test_loraplus_with_an_optimizer_of_one_step_size_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"loraplus_ratio=16.0: optimizer 'prodigy' steps every parameter group "
+                                         r"with one step size .* set loraplus_ratio to 1, or choose an optimizer"):
+        TrainSettings(optimizer="prodigy", learning_rate=1.0, loraplus_ratio=16.0).validate()
+    TrainSettings(optimizer="prodigy", learning_rate=1.0, loraplus_ratio=1.0).validate()
+    TrainSettings(optimizer="adamw", loraplus_ratio=16.0).validate()
