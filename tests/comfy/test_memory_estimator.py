@@ -158,6 +158,34 @@ def test_cuda_kernels_keep_what_cudas_fused_rms_norm_keeps(pack_module):
         assert torch.nn.functional.rms_norm(x, (128,), w, 1e-6).grad_fn is None
 
 
+def test_realsize_runs_the_swapped_step_for_real_and_stock_comfyui_loads_its_lora(pack_module, one_thread):
+    """bench/realsize.py's parts on a real-shape model: the real step with a block swapped (training.swap streams
+    it, the host and the device being the CPU) trains the LoRA the unswapped step trains, bit for bit; the LoRA
+    it saves loads in stock ComfyUI with no key left over; the --plans refusals."""
+    import realsize
+
+    runs = {}
+    for swap in (0, 1):
+        keep: dict = {}
+        torch.manual_seed(0)  # the inputs and the step's noise
+        _measured(pack_module, True, swap_blocks=swap, keep=keep)
+        runs[swap] = keep
+    # the swapped block's weights are views of one packed host buffer now (training.swap); unswapped, each its own
+    storages = {swap: {p.untyped_storage().data_ptr() for p in pack_module("nodes.train.glue").checkpointed_blocks(
+        keep["model"].model.diffusion_model)[0].parameters()} for swap, keep in runs.items()}
+    assert len(storages[1]) == 1 and len(storages[0]) > 1, storages
+    trained = {k: v.detach().clone() for k, v in runs[1]["lora_set"].state_dict().items()}
+    assert trained and all(torch.equal(v, runs[0]["lora_set"].state_dict()[k]) for k, v in trained.items())
+    model = _model(pack_module)
+    loaded = realsize.stock_load(model, runs[1])
+    assert loaded["left_over"] == [] and loaded["patches"] == loaded["adapters"] > 0 and loaded["keys"] == 3 * loaded["adapters"]
+    assert realsize.parse_plans("plain, ckpt,offload,swap12") == [
+        ("plain", False, False, 0), ("ckpt", True, False, 0), ("offload", True, True, 0), ("swap12", True, False, 12)]
+    for bad in ("swap0", "swap", "half", ""):
+        with pytest.raises(ValueError, match="--plans"):
+            realsize.parse_plans(bad)
+
+
 def test_the_stock_tracker_refuses_frozen_parameters_and_ours_counts_them():
     from torch.distributed._tools.mem_tracker import MemTracker
 
