@@ -134,9 +134,7 @@ def estimate(args: argparse.Namespace, plans: list) -> dict[str, dict]:
                              "can be swapped (every checkpointed block)")
         plan = mp.plan(cost, ckpt, swap, offload)
         host = mp.host_cost(plan, cost, memory.step_cost(run(True, False)) if offload else None)
-        swapped = sum(cost.blocks[:swap])
-        ring = min(mp.RING_SLOTS, swap) * max(cost.blocks[:swap]) if swap else 0
-        device = cost.peak + cost.upstream - swapped + ring
+        device = cost.peak + cost.upstream - host.swapped + mp.ring_bytes(cost.blocks, swap)  # plan()'s, in bytes
         out[name] = {"tracked": cost.peak, "device": device, "host_inputs": host.block_inputs,
                      "host_swapped": host.swapped, "total": device + host.block_inputs + host.swapped,
                      "upstream": cost.upstream, "plan": plan.describe(), "blocks": len(cost.blocks),

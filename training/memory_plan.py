@@ -147,6 +147,12 @@ def parse_budget(text: str) -> float | str | None:
     return gib
 
 
+def ring_bytes(blocks: tuple[int, ...], swap_blocks: int) -> int:
+    """Device bytes of ``training.swap``'s ring for the first ``swap_blocks`` of ``blocks`` (weight bytes in execution
+    order): min(RING_SLOTS, swapped) slots, each the size of the largest swapped block."""
+    return min(RING_SLOTS, swap_blocks) * max(blocks[:swap_blocks]) if swap_blocks else 0
+
+
 def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0, offload_inputs: bool = False) -> Plan:
     """The estimate of one plan from the step's cost (``cost`` measured with that checkpointing setting, and
     with the block inputs in host memory for ``offload_inputs``)."""
@@ -159,9 +165,7 @@ def plan(cost: StepCost, checkpointing: bool, swap_blocks: int = 0, offload_inpu
                          "would need every block's weights resident)")
     if not 0 <= swap_blocks <= len(blocks):
         raise ValueError(f"memory plan: swap_blocks={swap_blocks}: the model has {len(blocks)} blocks")
-    swapped = sum(blocks[:swap_blocks])
-    # training.swap's ring: min(RING_SLOTS, swapped) slots, each the size of the largest swapped block
-    ring = min(RING_SLOTS, swap_blocks) * max(blocks[:swap_blocks]) if swap_blocks else 0
+    swapped, ring = sum(blocks[:swap_blocks]), ring_bytes(blocks, swap_blocks)
     tracked = cost.peak + cost.upstream - swapped + ring
     overhead = (CUDA_CONTEXT_GIB + WORKSPACE_GIB) * GIB + FRAGMENTATION * tracked
     return Plan(checkpointing, swap_blocks, len(blocks), _gib(tracked + overhead), _gib(tracked),
