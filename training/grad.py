@@ -55,12 +55,45 @@ def clone_if_inference(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_inference() else t
 
 
+def _hook(fn: Any) -> Any:
+    """A saved-tensor hook: bookkeeping in Python, never compiled. A compiled block's graph saves its tensors
+    through the hooks open around it; without this, dynamo would compile each hook as a frame of its own (again
+    for every new shape)."""
+    return torch.compiler.disable(fn)
+
+
+_STRIDED: list[int] = [0]  # open strided_copies contexts
+
+
+@contextlib.contextmanager
+def strided_copies() -> Iterator[None]:
+    """The body's saved-tensor copies (``clone_saved_tensors``, the checkpointed recomputation's streams) keep
+    the original's strides: a compiled backward reads its saved tensors with the strides it was traced with, and
+    a contiguous clone of a strided view (a slice of a wider output) would not match them. Outside it, copies are
+    contiguous clones: a strided copy of a slice with gaps allocates the whole extent of its strides."""
+    _STRIDED[0] += 1
+    try:
+        yield
+    finally:
+        _STRIDED[0] -= 1
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    if not _STRIDED[0] or t.is_contiguous() or t.numel() == 0:
+        return t.clone()
+    # the span of storage the view reads (gaps and overlaps included), copied, viewed with the same strides
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,), t.storage_offset()).clone().as_strided(t.shape, t.stride())
+
+
+@_hook
 def _pack(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, nn.Parameter):
         return t
-    return t.clone()
+    return _copy(t)
 
 
+@_hook
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -74,10 +107,12 @@ class _Kept:
         self.tensor, self.version = t, t._version
 
 
+@_hook
 def _keep(t: torch.Tensor) -> Any:
     return t if isinstance(t, nn.Parameter) else _Kept(t)
 
 
+@_hook
 def _checked(saved: Any) -> torch.Tensor:
     """Unpack: a kept tensor must not have been written in place since it was saved."""
     if isinstance(saved, _Kept):
@@ -94,13 +129,18 @@ def _copy_streams(inputs: Sequence[torch.Tensor]) -> Any:
     """Saved-tensor hooks that copy what shares storage with ``inputs`` (what the block adds to in place)
     and keep everything else without a copy (version-checked)."""
     streams = frozenset(t.untyped_storage()._cdata for t in inputs)
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: _copy_or_keep(t, streams), _checked)
+
+    @_hook
+    def pack(t: torch.Tensor) -> Any:
+        return _copy_or_keep(t, streams)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _checked)
 
 
 def _copy_or_keep(t: torch.Tensor, streams: frozenset) -> Any:
     if isinstance(t, nn.Parameter):
         return t
-    return t.clone() if t.untyped_storage()._cdata in streams else _Kept(t)
+    return _copy(t) if t.untyped_storage()._cdata in streams else _Kept(t)
 
 
 @contextlib.contextmanager
@@ -200,6 +240,7 @@ class _OnHost:
         self.requires_grad = t.requires_grad
 
 
+@_hook
 def _to_host(t: torch.Tensor) -> Any:
     """Pack: an input that carries gradient goes to (pinned, on CUDA) host memory, copied on the current
     stream (ordered before any reuse of its device memory); the rest (Flux's shared ``pe``, ``vec``) is kept
@@ -213,6 +254,7 @@ def _to_host(t: torch.Tensor) -> Any:
     return _OnHost(host, t)
 
 
+@_hook
 def _from_host(saved: Any) -> torch.Tensor:
     """Unpack: the host copy back on its device (a leaf with the input's requires_grad, which the
     recomputation's ``detach_variable`` reads)."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from .checks import number_problem
 from .learning import LEARNING_GUARDS
 from .memory_plan import parse_budget
+from .regional_compile import COMPILE_MODES
 from .optim import OPTIMIZERS, SCHEDULES, Hyperparams, Schedule, group_lr, schedule_free
 from .sampling import LOSS_WEIGHTINGS, TARGETS, TIMESTEP_SAMPLERS, Sampler
 from .views import EMA_SAVE
@@ -70,6 +71,7 @@ class TrainSettings:
     ema_preview: bool = False       # previews sample with the EMA weights
     swap_blocks: int = 0            # frozen blocks streamed from host memory (training.swap); 0 = off
     offload_block_inputs: bool = False  # checkpointed blocks' inputs wait for backward in host memory
+    compile: str = "off"            # COMPILE_MODES: "blocks" compiles each transformer block (training.regional_compile)
     vram_budget_gb: str = "0"       # "0"/"off", "auto" or GiB: the memory planner picks checkpointing + swap_blocks
     ram_budget_gb: str = "auto"     # with a VRAM plan: host memory it may keep ("auto": available now; "0"/"off": unchecked)
     learning_guard: str = "warn"    # LEARNING_GUARDS: name factors that do not learn (warn), also end the run (stop), off
@@ -192,7 +194,7 @@ class TrainSettings:
         registries: dict[str, Mapping[str, Any]] = {
             "optimizer": OPTIMIZERS, "lr_schedule": SCHEDULES, "timestep_sampling": TIMESTEP_SAMPLERS,
             "loss_weighting": LOSS_WEIGHTINGS, "target": TARGETS, "nan_policy": NAN_POLICIES, "ema_save": EMA_SAVE,
-            "learning_guard": LEARNING_GUARDS,
+            "learning_guard": LEARNING_GUARDS, "compile": COMPILE_MODES,
         }
         for field, registry in registries.items():
             value = getattr(self, field)

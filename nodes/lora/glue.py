@@ -9,6 +9,7 @@ the fp32 LoRA parameters.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -77,6 +78,19 @@ class LoRAForward:
             out = lora_linear(x, weight, bias, self.adapters)
         release()
         return out
+
+
+@contextlib.contextmanager
+def outside_compiled_graphs():
+    """For the body, every LoRA'd layer runs eager inside a compiled block (``torch.compiler.disable``: a graph
+    break around it): its Python-side steps (the device follow, ComfyUI's cast, the recomputable base weight,
+    the fp32 low-rank autograd functions) run as they do without compilation. Restored on exit."""
+    original = LoRAForward.__dict__["__call__"]
+    LoRAForward.__call__ = torch.compiler.disable(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LoRAForward.__call__ = original  # type: ignore[method-assign]
 
 
 def _recast(module: torch.nn.Module, probe: torch.Tensor):

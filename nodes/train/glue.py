@@ -27,12 +27,15 @@ from ...training.grad import autograd_enabled, checkpoint_blocks, clone_saved_te
 from ...lora.layer import LoRASet
 from ...lora.file import default_key_style
 from ...training.loop import ModelFns
+from ...training.regional_compile import CompileReport, check_gradients, compiled_blocks
+from ...training.sampling import weighted_mse
 from ...training.settings import TrainSettings
 from . import checkpoint_files, swap_glue
 from ..attention.reach import reach_context
 from ..host.comfy_compat import model_gradients
+from ..host import gguf
 from ..host.quantized import is_quantized
-from ..lora.glue import ATTACHMENT_KEY, LoRAForward, write_lora
+from ..lora.glue import ATTACHMENT_KEY, LoRAForward, outside_compiled_graphs, write_lora
 from ..model.info import describe_model
 
 log = logging.getLogger(__name__)
@@ -289,6 +292,71 @@ def step_context(model: Any, lora_set: LoRASet, settings: TrainSettings, blocks:
     finally:
         for p, flag in frozen:
             p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
+def compiled_training(model: Any, settings: TrainSettings,
+                      on_change: Callable[[CompileReport], None] = lambda r: None) -> Iterator[CompileReport | None]:
+    """``settings.compile`` 'blocks': every block of the model's block lists (the last included: compiling it
+    costs no memory) compiled for the body (``training.regional_compile``), the LoRA layers eager inside them;
+    yields the report (None when 'off'). Enter it before ``training_session``: the compiled forward is then the
+    innermost, under block swap and checkpointing. Restored on exit."""
+    if settings.compile == "off":
+        yield None
+        return
+    blocks = find_block_lists(model.model.diffusion_model, BLOCK_LISTS)
+    _refuse_quantized_compile(blocks)
+    with outside_compiled_graphs(), compiled_blocks(blocks, on_change) as report:
+        yield report
+
+
+def sample_gradients(fns: ModelFns, lora_set: LoRASet, x0: torch.Tensor, cond: Any) -> dict[str, torch.Tensor]:
+    """The LoRA gradients of one loss + backward of ``fns.predict`` on ``x0`` (b, ...) with fixed noise (seed 0)
+    at sigma 0.6, dropout off (eval mode), by parameter name; the LoRA's gradients are cleared again afterwards,
+    so a run that follows starts as it would without it."""
+    was = lora_set.training
+    lora_set.train(False)
+    try:
+        lora_set.zero_grad(set_to_none=True)
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0)).to(x0.device, x0.dtype)
+        sigma = torch.full((x0.shape[0],), 0.6, device=x0.device)
+        x_t = fns.noise_latent(sigma, noise, x0)
+        loss = weighted_mse(fns.predict(x_t, sigma, cond), fns.target(sigma, noise, x0),
+                            torch.ones(x0.shape[0], device=x0.device))
+        loss.backward()
+        return {n: p.grad.clone() for n, p in lora_set.named_parameters() if p.grad is not None}
+    finally:
+        lora_set.zero_grad(set_to_none=True)
+        lora_set.train(was)
+
+
+def check_compiled_gradients(report: CompileReport | None, model: Any, fns: ModelFns, lora_set: LoRASet,
+                             sample: Any) -> None:
+    """Before a compiled run trains: ``training.regional_compile.check_gradients`` on ``sample`` (eager vs compiled
+    LoRA gradients within the tolerance of the model's compute dtype, else the run is eager). Nothing when off."""
+    if report is None:
+        return
+    base = model.model
+    dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+    x0, cond = sample.latent.unsqueeze(0), fns.collate([sample.cond])
+    check_gradients(report, lambda: sample_gradients(fns, lora_set, x0, cond), dtype)
+
+
+def _refuse_quantized_compile(blocks: list) -> None:
+    """ValueError naming the node, input, value, layer and fix when a block holds a per-layer quantized weight
+    (ComfyUI's QuantizedTensor, ComfyUI-GGUF's GGMLTensor): the model's loader made it an inference tensor, which
+    the pack does not copy (``normal_weights``), and a compiled backward may save the stored weight instead of its
+    cast, which autograd refuses at run time (measured: scaled fp8 on ComfyUI 0.33, "Inference tensors cannot be
+    saved for backward"). Plain fp8 weights (fp8_e4m3fn / e5m2 storage) compile."""
+    for block in blocks:
+        for name, t in block.named_parameters():
+            if is_quantized(t) or gguf.is_gguf(t):
+                kind = f"GGUF {gguf.qtype_name(t)}" if gguf.is_gguf(t) else type(t).__name__
+                raise ValueError(
+                    f"PrecisionTrainSettings: input 'compile'='blocks' cannot compile this model's quantized layers "
+                    f"({type(block).__name__} weight '{name}' is a {kind}): their weights are inference tensors a "
+                    "compiled backward would save; set compile to off (quantized bases train eager), or load the "
+                    "model in a plain dtype (fp8_e4m3fn, bf16) to compile")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from ...training.checkpoint import TrainingState
 from ...training.loop import Hooks, StepReport, train
 from ...training.learning import LEARNING_GUARDS
 from ...training.settings import NAN_POLICIES, TrainSettings
+from ...training.regional_compile import COMPILE_MODES
 from ...training.views import EMA_SAVE
 from ..checks.gate import PrecisionNode
 from ..host import page
@@ -29,7 +30,8 @@ from .checkpoint_files import verify_resume
 from .ema_files import ema_writer
 from ..checks.graph import refusal
 from .budget import plan_step
-from .glue import checkpoint_writer, fork_lora, model_fns, training_session
+from .glue import (check_compiled_gradients, checkpoint_writer, compiled_training, fork_lora, model_fns,
+                   training_session)
 from ..attention.run_report import attention_account
 from ..lora.trained_over import trained_over_metadata
 from .jobs import finish_job, start_job, stopped_runs
@@ -171,6 +173,14 @@ def _ema_inputs() -> list:
                        optional=True, tooltip="Masked loss (a mask on Train LoRA, or a LATENT's noise_mask): the loss "
                                               "weight of the latent outside a sample's mask (0 = only the masked "
                                               "region trains, 1 = the mask changes nothing). docs/training.md."),
+        # last, after unmasked_weight, for the same reason
+        io.Combo.Input("compile", options=list(COMPILE_MODES), default=DEFAULTS.compile, optional=True,
+                       tooltip="Regional compile: 'blocks' compiles each transformer block once with torch.compile "
+                               "(inductor; blocks of one kind share their code), with checkpointing, block inputs "
+                               "on host, block swap and the attention override around it; the LoRA layers run eager "
+                               "inside it (their fp32 path unchanged). The first steps pay the compile time; a part "
+                               "that fails to compile runs eager, with the reason in the report. 'off': eager. "
+                               "docs/training.md."),
     ]
 
 
@@ -425,7 +435,11 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         log.info("PrecisionTrainLoRA: %s", plan.line)
         lora_set.info.update(plan.metadata())
         changes = (plan.line, *changes)
-    with training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
+    def compiling(report) -> None:  # a block kind compiled (again) or fell back: in the console as it happens
+        log.info("PrecisionTrainLoRA: %s", report.line())
+
+    with compiled_training(model, plan.session, compiling) as compiled, \
+            training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning,
                                         masks)
         for line in [*report.lines(), *attention.start_lines()]:
@@ -446,6 +460,7 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
             held, held_report = build_dataset(model, validation[0], validation[1], None, device)
             log.info("PrecisionTrainLoRA: validation set: %s", held_report.summary())
         fns = model_fns(model, lora_set, cfg, device)
+        check_compiled_gradients(compiled, model, fns, lora_set, samples[0])
         if isinstance(hooks.on_step, PreviewStepHook):
             hooks.on_step.at_start()  # step 0: inside the session, before the first step
         try:
@@ -476,6 +491,10 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
                 log.info("PrecisionTrainLoRA: %s", result.learning)
             if result.learning_findings:
                 below.append(result.learning)
+            lora_set.info.pop("precision_lora_compile", None)  # a chained call's own, not an upstream call's
+            if compiled is not None:
+                lora_set.info["precision_lora_compile"] = compiled.line()
+                below.append(compiled.line())
             if below:
                 page.show_on_node("\n".join([*shown, *below]), node_id)
             return result

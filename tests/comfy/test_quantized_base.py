@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -259,3 +260,49 @@ def test_the_train_node_runs_on_a_scaled_fp8_base_and_leaves_it_quantized(m, pac
         assert before.keys() == after.keys() and all(torch.equal(before[k].float(), after[k].float()) for k in before)
         results.append(losses["loss"])
     assert results[0] == results[1]
+
+
+def test_compiled_blocks_on_an_fp8_base_give_the_gradients_eager_gives(m, pack_module):
+    """compile 'blocks' (training/regional_compile.py) on the pack-loaded fp8_e4m3fn tiny Flux with the LoRA on the
+    attention only: the blocks' other Linears (MLP, modulation) are fp8 layers inside the compiled graphs,
+    ComfyUI's cast traced; one step's LoRA gradients equal eager's within the fp32 tolerance, graphs were built,
+    the base stays fp8."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "bench"))
+    import compile_families
+    import memory
+
+    write_quantized(m, "flux1_dev", "fp8_e4m3fn", "compile_flux_fp8.safetensors")
+    grads, reports = {}, {}
+    for compile in ("off", "blocks"):
+        torch.manual_seed(0)
+        model = load(m, "pack", "compile_flux_fp8.safetensors", weight_dtype="fp8_e4m3fn")
+        with torch.inference_mode():
+            out, lora_set = m.tglue.fork_lora(m.glue.attach_lora(model, m.LoRAConfig(rank=4, alpha=4,
+                                                                                     targets="attention")))
+        randomize_lora(lora_set, 3)
+        x0, cond = memory._inputs(out, 32, 8)
+        grads[compile], reports[compile], _ = compile_families.lora_gradients(pack_module, out, x0, cond, compile)
+        assert _stored_quantized(m, out.model.diffusion_model.double_blocks[0].img_mlp[0])
+    assert grads["off"].keys() == grads["blocks"].keys() and len(grads["off"]) >= 8
+    rc = pack_module("training.regional_compile")
+    worst = rc.worst_difference(grads["off"], grads["blocks"])
+    assert worst <= rc.GRADIENT_TOLERANCE[torch.float32], worst
+    assert reports["blocks"].graphs > 0, reports["blocks"].line()
+
+
+def test_compile_is_refused_by_name_on_per_layer_quantized_weights(m):
+    """A block holding a per-layer quantized weight (here a GGUF weight; ComfyUI's QuantizedTensor alike): compile
+    'blocks' is refused before anything loads, naming the input, the block, the weight and the fix."""
+    model = m.tiny.build_tiny_model("flux1_dev")
+    layer = model.model.diffusion_model.single_blocks[0].linear2
+    weight = layer.weight.detach().as_subclass(GGMLTensor)
+    weight.tensor_type, weight.tensor_shape = type("Q", (), {"name": "Q4_K"})(), layer.weight.shape
+    layer._parameters["weight"] = weight
+    settings = m.Settings(compile="blocks")
+    with pytest.raises(ValueError, match=r"PrecisionTrainSettings: input 'compile'='blocks' cannot compile this "
+                                         r"model's quantized layers \(SingleStreamBlock weight 'linear2.weight' is a "
+                                         r"GGUF Q4_K\).*set compile to off"):
+        with m.tglue.compiled_training(model, settings):
+            pass
+    assert not any("forward" in b.__dict__ for b in model.model.diffusion_model.single_blocks)

@@ -260,6 +260,7 @@ def test_batching_accumulation_checkpointing_and_nan_policy(opts):
         "stop": train_graph({"nan_policy": "stop", "nan_patience": 2}, steps=2, name="o_b_stop", batch=2),
         "batch": train_graph({"batch_size": 2}, steps=2, name="o_b_batch", batch=2),
         "accum": train_graph({"grad_accum": 2}, steps=2, name="o_b_accum", batch=2),
+        "compile": train_graph({"compile": "blocks"}, steps=2, name="o_b_compile", batch=2),
     })
     base = runs["base"][0]
     # recomputing the blocks in backward and a NaN policy that never fires leave the run as it was
@@ -267,6 +268,9 @@ def test_batching_accumulation_checkpointing_and_nan_policy(opts):
     assert_same(runs["swap"][0], runs["gc"][0], atol=0.0)  # streamed blocks: the checkpointed run, bit for bit
     assert_same(runs["offload"][0], runs["gc"][0], atol=0.0)  # block inputs kept on the host: the same, bit for bit
     assert_same(runs["stop"][0], base)
+    # each block compiled (inductor, fused kernels reorder fp32 sums): the run eager gives, to fp32 rounding
+    assert_same(runs["compile"][0], base, atol=2e-6, rtol=1e-4)
+    assert differs(runs["compile"][0], base) > 0  # the compiled kernels ran (eager would be bit-identical)
     for key in ("batch", "accum"):  # both samples in every step: another run, still finite
         tensors, steps = runs[key]
         assert len(steps) == 2 and all(math.isfinite(s["loss"]) for s in steps)
