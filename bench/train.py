@@ -21,6 +21,15 @@ Measured:
 - peak memory: CUDA ``max_memory_allocated`` on a GPU, else the peak of torch's ``MemTracker`` over the
   measured call minus the model's weights (``PeakMemory``); both above what the model itself holds.
 
+``--compile``: ours eager vs ours with ``compile`` 'blocks' (Train Settings; training/regional_compile.py), each in its
+own subprocess, interleaved repeats, with and without checkpointing: step time, peak memory and the first call's
+time (the compile time is the compiled first call minus the eager one), with the ratios. On the CPU inductor
+builds C++ kernels, and the peak is the resident memory's (``VmHWM`` over the measured call, glibc's mmap
+threshold fixed so freed tensors go back; bench/realsize.py), because compiled kernels allocate their buffers
+where torch's ``MemTracker`` does not see them. ``--widths`` for Flux.1 (``--family flux1_dev``) and SDXL
+(``--family sdxl``): blocks of that width (Flux.1: heads of 128, ``--blocks`` double and single blocks; SDXL:
+``model_channels``, heads of 64) beside the tiny model.
+
 Both trainers adapt every Linear of the model, embedders and final layer included (ours: targets "all"
 plus include ".+"; the built-in also trains bias/norm diffs, which are tiny). Usage (tcmalloc makes CPU training several times faster)::
 
@@ -42,12 +51,13 @@ TRAINERS = ("ours", "builtin")
 class PeakMemory:
     """Peak bytes of one run: CUDA ``max_memory_allocated`` above the level at ``__enter__`` on a GPU; on the
     CPU the peak of torch's ``MemTracker`` (every tensor storage made or used in the call, once each;
-    bench/memory_step.py) minus the model's own weights, which both trainers hold before they start.
+    bench/memory_step.py) minus the model's own weights, which both trainers hold before they start; with
+    ``rss`` (``--compile``) the peak resident memory above the resident memory at ``__enter__``.
 
     (Resident-set growth, used before, was meaningless: the allocator reuses the warm-up call's memory.)"""
 
-    def __init__(self, cuda: bool, model=None) -> None:
-        self.cuda, self.model, self.peak = cuda, model, 0
+    def __init__(self, cuda: bool, model=None, rss: bool = False) -> None:
+        self.cuda, self.model, self.peak, self.rss = cuda, model, 0, rss and not cuda
 
     def __enter__(self) -> PeakMemory:
         import torch
@@ -56,6 +66,12 @@ class PeakMemory:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
+        elif self.rss:
+            sys.path.insert(0, os.path.join(ROOT, "bench"))
+            import realsize
+
+            realsize.reset_peak_rss()
+            self.base = realsize.rss_bytes()
         else:
             sys.path.insert(0, os.path.join(ROOT, "bench"))
             import memory_step
@@ -72,6 +88,11 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
+            return
+        if self.rss:
+            import realsize
+
+            self.peak = max(0, realsize.peak_rss_bytes() - self.base)
             return
         import memory_step
 
@@ -91,22 +112,40 @@ def _setup(args: argparse.Namespace):
     from models import make_conditioning, make_latent
 
     tiny = comfy_harness.pack_module("demo.tiny_models")
-    config = tiny.cosmos_width_config(args.width, args.blocks) if args.width else None
+    config = width_config(tiny, args.family, args.width, args.blocks) if args.width else None
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model = tiny.build_tiny_model(args.family, seed=0, dtype=dtype, unet_config=config)
     latents = [make_latent(model, 1, width=args.size, height=args.size, seed=s) for s in (1, 2)]
     return comfy_harness, model, latents, make_conditioning(model, 1)
 
 
+def width_config(tiny, family: str, width: int, blocks: int) -> dict:
+    """The family's model with blocks ``width`` wide (``--widths``): Cosmos-Predict2 (heads of 128), Flux.1 (heads of
+    128, ``blocks`` double and single blocks), SDXL (``model_channels``, heads of 64)."""
+    if family == "cosmos":
+        return tiny.cosmos_width_config(width, blocks)
+    if family == "flux1_dev":
+        return tiny.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "hidden_size": width,
+                                     "num_heads": width // 128, "axes_dim": [16, 56, 56], "depth": blocks,
+                                     "depth_single_blocks": blocks})
+    if family == "sdxl":
+        return {**tiny.TINY_UNET_CONFIGS["sdxl"], "model_channels": width, "num_head_channels": 64}
+    raise ValueError(f"--widths {width}: no wider model of family {family!r} (cosmos, flux1_dev, sdxl)")
+
+
 def _ours(h, model, latents, cond, args, steps: int) -> int:
     import torch
 
     glue, train = h.pack_module("nodes.lora.glue"), h.pack_module("nodes.train.node")
+    h.pack_module("training.regional_compile").BACKEND = args.backend
     lora, settings = h.pack_module("lora.config"), h.pack_module("training.settings")
     cfg = settings.TrainSettings(learning_rate=1e-4, gradient_checkpointing=args.checkpointing, max_grad_norm=0.0,
-                                 weight_decay=0.01, swap_blocks=args.swap)
+                                 weight_decay=0.01, swap_blocks=args.swap,
+                                 compile="blocks" if args.compiled else "off")
     with torch.inference_mode():
-        attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets="all", include=".+"))
+        every = args.targets == "all"  # the comparison with the built-in: every Linear, embedders included
+        attached = glue.attach_lora(model, lora.LoRAConfig(rank=args.rank, alpha=args.rank, targets=args.targets,
+                                                           include=".+" if every else ""))
         train.PrecisionTrainLoRA.execute([attached], latents, [cond], [steps], [0], ["bench"], settings=[cfg])
     return attached.get_attachment(glue.ATTACHMENT_KEY).num_parameters()
 
@@ -187,8 +226,15 @@ def child(args: argparse.Namespace) -> dict:
     args.variant = args.trainer.partition(":")[2]
     run = _ours if args.trainer == "ours" else _builtin
     cuda = torch.cuda.is_available()
-    run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools
-    with PeakMemory(cuda, model.model.diffusion_model) as mem:
+    if args.compile and not cuda:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import realsize
+
+        realsize.fixed_mmap_threshold()
+    t0 = time.perf_counter()
+    run(h, model, latents, cond, args, args.warm_steps)  # first-use allocations, thread pools (and compilation)
+    first = time.perf_counter() - t0
+    with PeakMemory(cuda, model.model.diffusion_model, rss=args.compile) as mem:
         clock = StepClock()
         comfy.utils.set_progress_bar_global_hook(clock)
         t0 = time.perf_counter()
@@ -198,6 +244,7 @@ def child(args: argparse.Namespace) -> dict:
     step = clock.step_s(args.steps)
     dm = model.model.diffusion_model
     return {"trainer": args.trainer, "checkpointing": args.checkpointing, "swap": args.swap, "step_s": step,
+            "compiled": args.compiled, "first_s": first,
             "setup_s": max(0.0, call - args.steps * step), "peak_bytes": mem.peak,
             "model": _model_label(args), "model_params": sum(p.numel() for p in dm.parameters()),
             "device": "cuda" if cuda else "cpu",
@@ -208,19 +255,24 @@ def _model_label(args: argparse.Namespace) -> str:
     return f"{args.width}x{args.blocks}" if args.width else "tiny"
 
 
-def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bool, swap: int = 0) -> dict:
+def _spawn(args: argparse.Namespace, width: int, trainer: str, checkpointing: bool, swap: int = 0,
+           compiled: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--trainer", trainer, "--family", args.family,
            "--rank", str(args.rank), "--size", str(args.size), "--steps", str(args.steps), "--warm-steps",
            str(args.warm_steps), "--dtype", args.dtype, "--threads", str(args.threads), "--width", str(width),
-           "--blocks", str(args.blocks), "--swap", str(swap)]
+           "--blocks", str(args.blocks), "--swap", str(swap), "--targets", args.targets, "--backend", args.backend]
     if checkpointing:
         cmd.append("--checkpointing")
+    if args.compile:
+        cmd.append("--compile")
+    if compiled:
+        cmd.append("--compiled")
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     label = _model_label(argparse.Namespace(width=width, blocks=args.blocks))
     if out.returncode != 0 or not lines:
         return {"trainer": trainer, "checkpointing": checkpointing, "swap": swap, "model": label,
-                "error": _error_line(out.stderr)}
+                "compiled": compiled, "error": _error_line(out.stderr)}
     return json.loads(lines[-1])
 
 
@@ -233,11 +285,12 @@ def _error_line(stderr: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--family", default="cosmos", choices=["cosmos", "flux1_dev", "flux2"])
+    p.add_argument("--family", default="cosmos", choices=["cosmos", "flux1_dev", "flux2", "sdxl"])
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--widths", default="tiny,512,2048",
                    help="models, comma-separated: 'tiny' (the family's tiny test model) and/or Cosmos widths "
-                        "(multiples of 128, heads of 128, --blocks blocks)")
+                        "(multiples of 128, heads of 128, --blocks blocks); with --compile also Flux.1 (multiples "
+                        "of 128) and SDXL (multiples of 64) widths")
     p.add_argument("--blocks", type=int, default=2, help="blocks of the --widths models")
     p.add_argument("--size", type=int, default=256, help="latent image size in pixels")
     p.add_argument("--steps", type=int, default=6, help="steps of the measured node call (>= 2; the warm-up call comes first)")
@@ -254,11 +307,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--swap-blocks", type=int, default=0,
                    help="block swap instead of the trainer comparison: ours with checkpointing, N blocks swapped "
                         "vs none, side by side (N <= blocks - 1: the last block is not checkpointed)")
+    p.add_argument("--compile", action="store_true",
+                   help="ours eager vs ours with compile 'blocks' (Train Settings), with and without checkpointing")
+    p.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="with --compile: torch.compile's backend (aot_eager: dynamo without code generation, for "
+                        "quick checks of the bench itself; its times are not a compiled step's)")
+    p.add_argument("--targets", default="all", choices=["all", "attention", "attention_mlp"],
+                   help="ours' LoRA preset with --compile (default all: every Linear, as against the built-in)")
     p.add_argument("--swap", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--trainer", help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.targets != "all" and not args.compile:
+        p.error(f"--targets {args.targets}: only with --compile (the built-in trains every Linear)")
     if args.quick:
         args.family, args.size, args.steps, args.warm_steps, args.repeats = "flux1_dev", 32, 3, 1, 1
         args.widths = "tiny"
@@ -276,6 +339,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.swap_blocks:
             rows += _swap_rows(args, width)
             continue
+        if args.compile:
+            rows += _compile_rows(args, width)
+            continue
         trainers = trainer_names(args)
         runs = [_spawn(args, width, t, c) for _ in range(args.repeats) for c in (False, True) for t in trainers]
         best = _best(runs, trainers)
@@ -291,10 +357,7 @@ def _swap_rows(args: argparse.Namespace, width: int) -> list[dict]:
     runs = [_spawn(args, width, "ours", True, swap) for _ in range(args.repeats) for swap in (0, args.swap_blocks)]
     rows = []
     for swap in (0, args.swap_blocks):
-        good = [r for r in runs if r["swap"] == swap and "error" not in r]
-        mine = [r for r in runs if r["swap"] == swap]
-        rows.append(mine[0] if not good else {**good[0], "step_s": min(r["step_s"] for r in good),
-                                               "peak_bytes": min(r["peak_bytes"] for r in good)})
+        rows.append(_fastest([r for r in runs if r["swap"] == swap], ("step_s", "peak_bytes")))
     print(f"\nmodel {rows[0]['model']}: block swap, ours with checkpointing")
     print(f"{'swapped':<10}{'s/step':>10}{'peak MiB':>10}")
     for r in rows:
@@ -311,16 +374,57 @@ def _swap_rows(args: argparse.Namespace, width: int) -> list[dict]:
     return rows
 
 
+def _fastest(mine: list[dict], keys: tuple[str, ...]) -> dict:
+    """One configuration's repeats as one row: the smallest of each of ``keys`` over the runs that worked (the
+    machine is shared; the minimum keeps other load out), or the first run's error when none did."""
+    good = [r for r in mine if "error" not in r]
+    return mine[0] if not good else {**good[0], **{k: min(r[k] for r in good) for k in keys}}
+
+
+def _compile_rows(args: argparse.Namespace, width: int) -> list[dict]:
+    """Ours eager vs compiled, without and with checkpointing (interleaved repeats, fastest kept), side by side
+    with the ratios and the compile time (the compiled first call minus the eager one)."""
+    runs = [_spawn(args, width, "ours", ckpt, compiled=c) for _ in range(args.repeats) for ckpt in (False, True)
+            for c in (False, True)]
+    rows = []
+    for ckpt in (False, True):
+        for c in (False, True):
+            rows.append(_fastest([r for r in runs if r["checkpointing"] == ckpt and r["compiled"] == c],
+                                 ("step_s", "peak_bytes", "first_s")))
+    what = "peak MiB" if rows[0].get("device") == "cuda" else "peak RSS MiB"
+    print(f"\nmodel {rows[0]['model']}: regional compile (compile 'blocks'), ours")
+    print(f"{'checkpointing':<14}{'compiled':<10}{'s/step':>10}{what:>14}{'first call s':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{str(r['checkpointing']):<14}{str(r['compiled']):<10}  failed: {r['error']}")
+        else:
+            print(f"{str(r['checkpointing']):<14}{str(r['compiled']):<10}{r['step_s']:>10.4f}"
+                  f"{r['peak_bytes'] / 2**20:>14.1f}{r['first_s']:>14.2f}")
+    for eager, compiled in (rows[0:2], rows[2:4]):
+        if "error" in eager or "error" in compiled:
+            continue
+        print(f"ratio compiled/eager, model={eager['model']} checkpointing={eager['checkpointing']}: time "
+              f"{compiled['step_s'] / eager['step_s']:.2f}x, peak memory "
+              f"{compiled['peak_bytes'] / max(1, eager['peak_bytes']):.2f}x; compile time "
+              f"{compiled['first_s'] - eager['first_s']:.1f} s", flush=True)
+    return rows
+
+
 def _widths(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
     """--widths as ints (0 = tiny); argparse error naming the bad entry."""
     out = []
     for item in (x.strip() for x in args.widths.split(",") if x.strip()):
         if item == "tiny":
             out.append(0)
-        elif not item.isdigit() or int(item) < 128 or int(item) % 128:
-            p.error(f"--widths: {item!r} is neither 'tiny' nor a multiple of 128")
-        elif args.family != "cosmos":
-            p.error(f"--widths {item}: widths are Cosmos models; use --family cosmos or --widths tiny")
+        elif not item.isdigit() or int(item) < 128 or int(item) % (64 if args.family == "sdxl" else 128):
+            p.error(f"--widths: {item!r} is neither 'tiny' nor a multiple of "
+                    f"{64 if args.family == 'sdxl' else 128} (>= 128)")
+        elif args.family not in ("cosmos", "flux1_dev", "sdxl"):
+            p.error(f"--widths {item}: wider models are Cosmos, Flux.1 (flux1_dev) and SDXL; use one of those "
+                    "families or --widths tiny")
+        elif args.family != "cosmos" and not args.compile:
+            p.error(f"--widths {item}: Flux.1 and SDXL widths are for --compile; the trainer comparison takes Cosmos "
+                    "widths")
         else:
             out.append(int(item))
     if not out:
@@ -357,8 +461,8 @@ def _header(args: argparse.Namespace) -> None:
     with open(os.path.join(comfy_bootstrap.COMFY_DIR, "comfyui_version.py")) as f:
         version = f.read().split('"')[-2]
     print(f"[Precision LoRA] bench/train.py ComfyUI {version} family={args.family} size={args.size}px "
-          f"rank={args.rank} dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}",
-          flush=True)
+          f"rank={args.rank} dtype={args.dtype} steps={args.steps} repeats={args.repeats} threads={args.threads}"
+          f"{' targets=' + args.targets + ' backend=' + args.backend if args.compile else ''}", flush=True)
 
 
 def _report(rows: list[dict], trainers: list[str]) -> None:

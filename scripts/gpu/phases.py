@@ -81,6 +81,10 @@ PHASES: tuple[Phase, ...] = (
     _bench("bench-block-swap", "block swap (docs/memory.md): step time and peak memory at Flux width, 4 blocks, 2 swapped",
            "bench/train.py --dtype bf16 --widths 3072 --blocks 4 --size 1024 --steps 4 --warm-steps 1 --repeats 1 "
            "--swap-blocks 2", 240, needs_text="--swap-blocks"),
+    _bench("bench-compile", "regional compile (compile 'blocks', triton): compiled vs eager step time, peak memory and "
+           "compile time at Flux.1's width, 2 + 2 blocks, 1024 px, bf16, with and without checkpointing",
+           "bench/train.py --compile --family flux1_dev --dtype bf16 --widths 3072 --blocks 2 --size 1024 --steps 4 "
+           "--warm-steps 1 --repeats 1", 360, needs_text="--compile"),
 )
 
 

@@ -66,3 +66,42 @@ def test_bench_rejects_bad_arguments_before_running(args, message):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), *args],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_bench_compile_prints_compiled_and_eager_side_by_side(pack_module):
+    """--compile: ours eager and compiled (compile 'blocks'), without and with checkpointing, each a row with its
+    step time, peak and first call; a ratio line per checkpointing setting with the compile time. aot_eager keeps
+    the test short (inductor's C++ build of the same graphs takes minutes here; the figures in docs/training.md
+    are inductor's)."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "train.py"), "--compile", "--family", "flux1_dev", "--widths",
+           "tiny", "--size", "32", "--steps", "2", "--warm-steps", "1", "--repeats", "1", "--threads", "1",
+           "--backend", "aot_eager"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "targets=all backend=aot_eager" in text, text
+    rows = re.findall(r"^(True|False)\s+(True|False)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)$", text, re.M)
+    assert sorted((r[0], r[1]) for r in rows) == [("False", "False"), ("False", "True"), ("True", "False"),
+                                                  ("True", "True")], text
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), text
+    first = {(r[0], r[1]): float(r[4]) for r in rows}
+    assert first[("False", "True")] > first[("False", "False")], text  # the compiled first call compiles
+    for ckpt in ("False", "True"):
+        assert re.search(rf"ratio compiled/eager, model=tiny checkpointing={ckpt}: time [0-9.]+x, peak memory "
+                         r"[0-9.]+x; compile time -?[0-9.]+ s", text), text
+
+
+def test_bench_wider_flux_and_sdxl_blocks_have_the_requested_width(pack_module):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import train as bench_train
+
+    tiny = pack_module("demo.tiny_models")
+    flux = tiny.build_tiny_model("flux1_dev", unet_config=bench_train.width_config(tiny, "flux1_dev", 256, 2))
+    dm = flux.model.diffusion_model
+    assert dm.double_blocks[0].img_attn.qkv.weight.shape == (768, 256) and len(dm.double_blocks) == 2
+    assert len(dm.single_blocks) == 2 and dm.num_heads == 2
+    sdxl = tiny.build_tiny_model("sdxl", unet_config=bench_train.width_config(tiny, "sdxl", 128, 1))
+    assert sdxl.model.diffusion_model.input_blocks[0][0].weight.shape[0] == 128
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), "--family", "flux1_dev",
+                          "--widths", "256"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Flux.1 and SDXL widths are for --compile" in out.stderr, out.stderr

@@ -119,8 +119,8 @@ def test_dry_run_lists_every_phase_with_command_and_time_box(tmp_path, capsys):
     # issue #27's priority: gpu tests + in-process on 0.33.0, then 0.3.75, e2e once, then the benches
     assert names.index("gpu-tests-0.33.0") < names.index("inprocess-0.33.0") < names.index("gpu-tests-0.3.75")
     assert names.index("inprocess-0.3.75") < names.index("e2e-0.33.0") < names.index("bench-attention")
-    assert names[-6:] == ["bench-lora", "bench-precision", "bench-outcome", "bench-train-flux", "bench-memory",
-                          "bench-block-swap"]
+    assert names[-7:] == ["bench-lora", "bench-precision", "bench-outcome", "bench-train-flux", "bench-memory",
+                          "bench-block-swap", "bench-compile"]
     assert not (tmp_path / "o").exists(), "a dry run writes nothing"
 
 
