@@ -24,10 +24,12 @@ blocks run and reported by block kind with the reason; so are frames that hit dy
 eager from then on). An error raised while a compiled block runs (out of memory, a shape error) is raised as
 eager mode raises it.
 
-Compiled gradients are checked before the run trains (``check_gradients``): one loss + backward of the first
-sample eager and compiled, every LoRA gradient tensor compared against ``GRADIENT_TOLERANCE`` of the model's dtype.
-Beyond it (inductor miscompiled something: measured on tiny Mochi, gradients 2.7x off with no error) the run is
-eager, with the difference in the report. Pure torch, no ComfyUI.
+A compiled block gets its tensor inputs contiguous: with a transposed input that needs no gradient (tiny Mochi's
+block 0), the graph breaks around the eager LoRA layers gave gradients 2.7x off with no error (inductor; also
+aot_eager in a stand-alone setting); reproduced with ComfyUI's Mochi blocks and a plain ``torch.compiler.disable``'d
+low-rank layer, and gone with contiguous inputs. Compiled gradients are checked before the run trains (``check_gradients``): one loss + backward of the first
+sample eager and compiled, every LoRA gradient tensor compared against ``GRADIENT_TOLERANCE`` of the model's dtype;
+beyond it the run is eager, with the difference in the report. Pure torch, no ComfyUI.
 """
 from __future__ import annotations
 
@@ -173,6 +175,11 @@ class _Compiled:
             return self.eager(*args, **kwargs)
         graphs, breaks, parts, began = _graphs(), _break_reasons(), sum(report.eager_parts.values()), time.perf_counter()
         self.log.kind = self.kind
+        # contiguous tensor inputs (a copy only where one is not): with a transposed block input that needs no
+        # gradient, the graph breaks around the eager LoRA layers gave wrong gradients with no error (tiny Mochi's
+        # patch embedding hands block 0 such a tensor: 2.7x off; reproduced with a plain low-rank layer)
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         out = self.compiled(*args, **kwargs)
         new = _graphs() - graphs
         failed = sum(report.eager_parts.values()) - parts

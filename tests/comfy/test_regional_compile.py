@@ -190,3 +190,54 @@ def test_the_run_checks_compiled_gradients_and_keeps_them_within_the_tolerance(t
     line = info["precision_lora_compile"]
     worst = float(re.search(r"max difference ([0-9.e+-]+) of the largest \(tolerance 1e-04\)", line).group(1))
     assert worst <= 1e-4 and "NOT USED" not in line, line
+
+
+def test_a_transposed_block_input_gets_the_gradients_eager_gives(pack_module):
+    """Tiny Mochi's patch embedding hands block 0 a transposed tensor that needs no gradient. Compiled with an eager
+    (``torch.compiler.disable``d) low-rank layer inside, such a block gave its layers' gradients 2.7x off with no
+    error until compiled_blocks made its tensor inputs contiguous (1.8x off without, tried). ComfyUI's own Mochi
+    blocks, a plain low-rank layer standing in for the pack's, inductor."""
+    import families
+    from torch import nn
+
+    rc = pack_module("training.regional_compile")
+    torch._dynamo.reset()
+    blocks = list(families.build("GenmoMochi").model.diffusion_model.blocks)
+    for p in (p for b in blocks for p in b.parameters()):
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    factors = []
+    for block in blocks:
+        for layer in (block.attn.qkv_x, block.attn.proj_x):
+            down = nn.Parameter(torch.randn(4, layer.in_features, generator=g) * 0.1)
+            up = nn.Parameter(torch.randn(layer.out_features, 4, generator=g) * 0.1)
+            factors += [down, up]
+
+            def forward(x, layer=layer, down=down, up=up):
+                return torch.nn.functional.linear(x, layer.weight, layer.bias) + (x @ down.t()) @ up.t()
+
+            layer.forward = torch.compiler.disable(forward)
+    first = blocks[0]
+    width, heads = first.attn.qkv_x.in_features, first.attn.num_heads
+    x = torch.randn(1, width, 16, generator=g).transpose(1, 2)  # (1, 16 tokens, width), transposed as Mochi's
+    y = torch.randn(1, 8, first.attn.qkv_y.in_features, generator=g)
+    c = torch.randn(1, first.mod_x.in_features, generator=g)
+    shape = (1, 16, heads, first.attn.qkv_x.out_features // 3 // heads // 2)
+    rope = dict(rope_cos=torch.randn(shape, generator=g), rope_sin=torch.randn(shape, generator=g), crop_y=8)
+
+    def grads() -> list:
+        for f in factors:
+            f.grad = None
+        h, hy = x, y
+        for block in blocks:
+            h, hy = block(h, c, hy, **rope)
+        (h * torch.linspace(0, 1, h.numel()).view_as(h)).sum().backward()
+        return [f.grad.clone() for f in factors]
+
+    with torch.inference_mode(False), torch.enable_grad():
+        eager = grads()
+        with rc.compiled_blocks(blocks) as report:
+            compiled = grads()
+    assert report.graphs > 0
+    worst = max(float((c_ - e).abs().max() / e.abs().max()) for e, c_ in zip(eager, compiled))
+    assert worst <= rc.GRADIENT_TOLERANCE[torch.float32], worst
