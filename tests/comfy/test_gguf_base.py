@@ -20,7 +20,7 @@ import torch
 
 import gguf_models
 import other_packs
-from models import denoise, memorise, randomize_lora
+from models import denoise, make_conditioning, make_latent, memorise, randomize_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -231,3 +231,19 @@ def test_a_lora_trained_on_q8_0_moves_the_output_like_the_one_trained_on_the_bf1
         moved[qtype] = denoise(env.glue.install(original, lora_set.copy())) - plain
     gap = float((moved["Q8_0"] - moved["original"]).norm() / moved["original"].norm())
     assert gap < 0.1, f"the Q8_0 LoRA moves the output {gap:.3f} of the bf16 LoRA's move away from it"
+
+
+def test_compile_on_a_gguf_base_from_comfyui_ggufs_loader_is_refused_by_name(env, pack_module):
+    """compile 'blocks' on a model from ComfyUI-GGUF's Unet Loader (GGUF): Train LoRA refuses before training,
+    naming the input, the block, the GGUF weight and the fix (training/regional_compile.py: such weights stay
+    inference tensors a compiled backward would save); the same model trains with compile off (above)."""
+    model = load_gguf(env, "Q8_0")
+    train = pack_module("nodes.train.node").PrecisionTrainLoRA
+    with torch.inference_mode():
+        attached = env.glue.attach_lora(model, env.LoRAConfig(rank=4, alpha=4, targets="attention"))
+        with pytest.raises(ValueError, match=r"PrecisionTrainSettings: input 'compile'='blocks' cannot compile this "
+                                             r"model's quantized layers \(\w+ weight '[\w.]+' is a GGUF Q8_0\).*set "
+                                             r"compile to off"):
+            train.execute([attached], [make_latent(model, 1, width=32, height=32)], [make_conditioning(model, 1)],
+                          [1], [0], ["gguf_compile"], settings=[env.Settings(learning_rate=1e-3, compile="blocks")])
+    assert not any("forward" in b.__dict__ for b in model.model.diffusion_model.blocks)
