@@ -9,6 +9,12 @@ and one CONDITIONING per image, the inputs of Train LoRA), encoded by the same V
 instead of encoding; a changed image, caption, resolution or encoder has another key. A file that does not
 verify is encoded again and overwritten, never used. The report says how many items were encoded and how
 many came from the cache.
+
+With ``masks`` (one MASK per image, Precision Resolution Buckets' ``masks``), each image's mask is brought to its
+latent's grid (``training.masks.to_grid``, the area average Train LoRA uses) and rides on its LATENT as
+``noise_mask`` (ComfyUI's convention, as Set Latent Noise Mask), so Train LoRA trains it masked with the mask
+paired to its own image whatever happens to the order later. The grid masks are cache entries too
+(``masks/<sha256>``, keyed by the image's latent key and the mask's pixels).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch
 from ...data.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
 from . import cache_glue as glue
 from ...data.frames import frames_problem, vae_family, vae_frame_step
+from ...training.masks import to_grid
 from ..checks.gate import PrecisionNode
 from ..host import page
 from ..host.comfy_io import io, ui
@@ -44,8 +51,9 @@ class CacheReport:
     mode: str
     images: int = 0
     captions: int = 0
-    encoded: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0})
-    cached: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0})
+    encoded: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0, "masks": 0})
+    cached: dict[str, int] = field(default_factory=lambda: {"latents": 0, "text": 0, "masks": 0})
+    masks: int = 0  # images with a mask
     rejected: list[str] = field(default_factory=list)
     not_stored: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -57,6 +65,10 @@ class CacheReport:
                  f"{self.cached['latents']} from cache",
                  f"{self.captions} captions ({n_txt} distinct): {self.encoded['text']} encoded, "
                  f"{self.cached['text']} from cache"]
+        if self.masks:
+            n_mask = self.encoded["masks"] + self.cached["masks"]
+            parts.append(f"{self.masks} masks ({n_mask} distinct, on their latents as noise_mask): "
+                         f"{self.encoded['masks']} computed, {self.cached['masks']} from cache")
         if self.clips:
             parts.append(self.clips)
         if self.rejected:
@@ -68,10 +80,10 @@ class CacheReport:
 
 @dataclass
 class _Item:
-    kind: str  # "latents" or "text"
+    kind: str  # "latents", "text" or "masks"
     key: str
-    source: Any  # the image (B, H, W, 3) or the caption's (text, tokens)
-    value: Any = None  # the latent tensor or the CONDITIONING
+    source: Any  # the image (B, H, W, 3), the caption's (text, tokens) or the mask's (B, H, W) and its latent's key
+    value: Any = None  # the latent tensor, the CONDITIONING or the grid mask (B, 1, h, w)
 
 
 def _texts(texts: list | None, n: int) -> list[str]:
@@ -98,6 +110,33 @@ def _images(images: list) -> list[torch.Tensor]:
     return images
 
 
+def _masks(masks: list | None, images: list[torch.Tensor], video: bool) -> list[torch.Tensor | None]:
+    """Each image's mask as (B, H, W) (B: 1, or the image batch's size with an image VAE), None for all when no
+    masks are connected; a mask that does not pair with its image is refused naming both."""
+    if not masks:
+        return [None] * len(images)
+    if len(masks) != len(images):
+        raise _err(f"input 'masks' has {len(masks)} masks for {len(images)} images; connect one mask per image "
+                   "(Precision Resolution Buckets' masks, from the loader of these images)")
+    out = []
+    for i, (m, image) in enumerate(zip(masks, images)):
+        if not isinstance(m, torch.Tensor) or m.ndim not in (2, 3) or 0 in m.shape:
+            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise _err(f"input 'masks': mask {i} (0-based) has shape {shape}; connect MASKs (B, H, W)")
+        m = m.reshape(-1, *m.shape[-2:])
+        (h, w), (big_h, big_w) = m.shape[-2:], image.shape[1:3]
+        if (h, w) != (big_h, big_w):
+            raise _err(f"input 'masks': mask {i} (0-based) is {w}x{h} px but image {i} is {big_w}x{big_h} px: "
+                       "connect the masks of these images, in the same order (Resolution Buckets' masks with its "
+                       "images)")
+        frames = 1 if video else int(image.shape[0])
+        if m.shape[0] not in (1, frames):
+            what = "one mask for the clip" if video else f"one mask for all {frames} images of the batch or one each"
+            raise _err(f"input 'masks': mask {i} (0-based) has {m.shape[0]} masks for image {i}; give {what}")
+        out.append(m)
+    return out
+
+
 def _check_frames(images: list[torch.Tensor], vae: Any) -> str:
     """With a video VAE (each IMAGE batch is one clip, encoded to one video latent): refuses a clip whose
     frame count the VAE does not encode whole, and says what the clips are; '' for an image VAE."""
@@ -114,8 +153,10 @@ def _check_frames(images: list[torch.Tensor], vae: Any) -> str:
             f"{', '.join(f'{n} -> {(n - 1) // step + 1} latent' for n in shown)}")
 
 
-def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any) -> tuple[list[str], list[str], dict]:
-    """Keys of every image and caption, and the distinct items by key (images before captions)."""
+def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any,
+          masks: list[torch.Tensor | None]) -> tuple[list[str], list[str], list[str | None], dict]:
+    """Keys of every image, caption and mask (None: no mask), and the distinct items by key (images before
+    captions)."""
     vae_id = glue.vae_identity(vae)
     clip_id = glue.clip_identity(clip)
     items: dict[str, _Item] = {}
@@ -131,7 +172,13 @@ def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any) -> 
             tokens_of[text] = key = digest("text", clip_id, text, tokens)
             items.setdefault(key, _Item("text", key, (text, tokens)))
         text_keys.append(tokens_of[text])
-    return image_keys, text_keys, items
+    mask_keys: list[str | None] = []
+    for image_key, m in zip(image_keys, masks):
+        key = None if m is None else digest("masks", image_key, m.float())
+        if key is not None:
+            items.setdefault(key, _Item("masks", key, (m, image_key)))
+        mask_keys.append(key)
+    return image_keys, text_keys, mask_keys, items
 
 
 def _read(store: EntryStore, item: _Item, report: CacheReport) -> bool:
@@ -146,13 +193,20 @@ def _read(store: EntryStore, item: _Item, report: CacheReport) -> bool:
     tensors, layout = entry
     device = glue.output_device()
     tensors = {k: v.to(device) for k, v in tensors.items()}
-    item.value = tensors["samples"] if item.kind == "latents" else unpack_conditioning(tensors, layout)
+    item.value = unpack_conditioning(tensors, layout) if item.kind == "text" else tensors["samples"]
     return True
 
 
-def _encode(item: _Item, vae: Any, clip: Any) -> None:
+def _grid(mask: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """(B, H, W) pixel masks on the grid of their ``latent`` (B', C, [T,] h, w), as (B, 1, h, w)."""
+    return torch.stack([to_grid(row, tuple(latent.shape[1:])).reshape(1, *latent.shape[-2:]) for row in mask])
+
+
+def _encode(item: _Item, vae: Any, clip: Any, items: dict) -> None:
     if item.kind == "latents":
         item.value = glue.encode_image(vae, item.source)
+    elif item.kind == "masks":
+        item.value = _grid(item.source[0], items[item.source[1]].value)
     else:
         item.value = glue.encode_tokens(clip, item.source[1])
 
@@ -161,6 +215,8 @@ def _write(store: EntryStore, item: _Item, report: CacheReport) -> None:
     try:
         if item.kind == "latents":
             tensors, layout, info = {"samples": item.value}, None, {"image": list(item.source.shape)}
+        elif item.kind == "masks":
+            tensors, layout, info = {"samples": item.value}, None, {"mask": list(item.source[0].shape)}
         else:
             (tensors, layout), info = pack_conditioning(item.value), {"caption": item.source[0]}
         store.store(item.kind, item.key, tensors, layout, info)
@@ -172,37 +228,43 @@ def _write(store: EntryStore, item: _Item, report: CacheReport) -> None:
 
 
 def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, folder: str,
-          node_id: str | None = None, send_text=None) -> tuple[list[dict], list[list], CacheReport]:
-    """The dataset (one LATENT dict and one CONDITIONING per image, in order) and what the cache did."""
+          node_id: str | None = None, send_text=None,
+          masks: list | None = None) -> tuple[list[dict], list[list], CacheReport]:
+    """The dataset (one LATENT dict, with its image's mask as ``noise_mask`` when ``masks`` are given, and one
+    CONDITIONING per image, in order) and what the cache did."""
     began = time.monotonic()
     images = _images(images)
     texts = _texts(texts, len(images))
     clips = _check_frames(images, vae)
-    image_keys, text_keys, items = _plan(images, texts, vae, clip)
-    report = CacheReport(folder, mode, images=len(images), captions=len(texts), clips=clips)
+    pixel_masks = _masks(masks, images, video=vae_frame_step(vae) is not None)
+    image_keys, text_keys, mask_keys, items = _plan(images, texts, vae, clip, pixel_masks)
+    report = CacheReport(folder, mode, images=len(images), captions=len(texts), clips=clips,
+                         masks=sum(k is not None for k in mask_keys))
     store = EntryStore(folder)
     hooks = glue.clip_hooks(clip)
     if hooks is not None:
         report.not_stored.append(hooks)
     usable = lambda it: mode == "use" and not (it.kind == "text" and hooks)  # noqa: E731
     todo = [it for it in items.values() if not (usable(it) and _read(store, it, report))]
-    todo.sort(key=lambda it: it.kind != "text")  # captions first: the text encoder leaves memory before the VAE
+    # captions first: the text encoder leaves memory before the VAE; masks last, on their encoded latents
+    todo.sort(key=lambda it: ("text", "latents", "masks").index(it.kind))
     for it in items.values():
         if it.value is not None:
             report.cached[it.kind] += 1
-    label = {"text": "caption", "latents": "image"}
+    label = {"text": "caption", "latents": "image", "masks": "mask"}
     progress = glue.Progress(NODE, node_id, len(items), {label[k]: sum(it.kind == k for it in todo) for k in label},
                              send_text)
     progress.hit(len(items) - len(todo))
     for it in todo:
         glue.check_interrupt()
         t0 = time.monotonic()
-        _encode(it, vae, clip)
+        _encode(it, vae, clip, items)
         report.encoded[it.kind] += 1
         if mode != "off" and not (it.kind == "text" and hooks):
             _write(store, it, report)
         progress.encoded_one(label[it.kind], time.monotonic() - t0)
-    latents = [{"samples": items[k].value} for k in image_keys]
+    latents = [{"samples": items[k].value} if m is None else {"samples": items[k].value, "noise_mask": items[m].value}
+               for k, m in zip(image_keys, mask_keys)]
     conditioning = [items[k].value for k in text_keys]
     report.seconds = time.monotonic() - began
     return latents, conditioning, report
@@ -219,8 +281,8 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
                         "caption with the text encoder exactly as ComfyUI's Make Training Dataset does, keeps each "
                         "result in <ComfyUI>/cache/precision_lora/dataset, and reads it back on later runs (any "
                         "workflow, after restarts) instead of encoding again. A changed image, caption, "
-                        "resolution or encoder encodes that item again. Outputs go to Train LoRA's latents and "
-                        "conditioning.",
+                        "resolution or encoder encodes that item again. With masks, each image's mask rides on its LATENT "
+                        "as noise_mask (masked loss). Outputs go to Train LoRA's latents and conditioning.",
             is_input_list=True, is_output_node=True,
             inputs=[
                 io.Image.Input("images", tooltip="The images to train on (LoadImageTextDataSetFromFolder's images, or "
@@ -238,10 +300,16 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
                 io.Combo.Input("cache", options=list(MODES), default=MODES[0], optional=True,
                                tooltip="use: read results from the cache and store new ones. rebuild: encode "
                                        "everything again and overwrite the entries. off: encode without the cache."),
+                io.Mask.Input("masks", optional=True,
+                              tooltip="One mask per image at the image's size (Precision Resolution Buckets' masks, "
+                                      "white = train here): each rides on its image's LATENT as noise_mask, so "
+                                      "Train LoRA trains it masked (masked loss, Train Settings' unmasked_weight). "
+                                      "A mask whose size is not its image's is refused."),
             ],
             outputs=[
                 io.Latent.Output(display_name="latents", is_output_list=True,
-                                 tooltip="One LATENT per image, in order: connect to Train LoRA's latents."),
+                                 tooltip="One LATENT per image, in order (with its image's mask as noise_mask when "
+                                         "masks are connected): connect to Train LoRA's latents."),
                 io.Conditioning.Output(display_name="conditioning", is_output_list=True,
                                        tooltip="One CONDITIONING per image, in order: connect to Train LoRA's conditioning."),
                 io.String.Output(display_name="report",
@@ -251,12 +319,12 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
         )
 
     @classmethod
-    def execute(cls, images, vae, clip, texts=None, cache=None) -> io.NodeOutput:
+    def execute(cls, images, vae, clip, texts=None, cache=None, masks=None) -> io.NodeOutput:
         mode = (cache or [MODES[0]])[0]
         node_id = page.executing_ids(getattr(getattr(cls, "hidden", None), "unique_id", None))[0]
         folder = glue.cache_folder()
         latents, conditioning, report = build(images, texts, vae[0], clip[0], mode, folder, node_id,
-                                              (lambda text: page.show_on_node(text, node_id)))
+                                              (lambda text: page.show_on_node(text, node_id)), masks)
         text = report.summary()
         log.info("%s: %s", NODE, text)
         return io.NodeOutput(latents, conditioning, text, ui=ui.PreviewText(text))

@@ -316,3 +316,102 @@ def test_a_text_encoder_with_hooks_is_encoded_every_run_and_said_so(enc, folder)
     assert "the text encoder carries hooks (CLIP hook nodes); its outputs are encoded each run, not cached" in report
     assert not os.path.exists(os.path.join(folder, "text"))
     enc.take()  # the module's counter saw these images too (the same VAE)
+
+
+def _left_masks(images: list[torch.Tensor], share: float = 0.5) -> list[torch.Tensor]:
+    """One (1, H, W) mask per image: its left ``share`` white (train here), the rest black; widths differ per
+    image so a mask paired with another image shows."""
+    masks = []
+    for i, image in enumerate(images):
+        m = torch.zeros(1, image.shape[1], image.shape[2])
+        m[:, :, :int(image.shape[2] * (share + 0.125 * i))] = 1.0
+        masks.append(m)
+    return masks
+
+
+def _trained(pack_module, latents, conds, mask=None) -> dict:
+    """The LoRA (down, up) per module after 3 steps of Train LoRA on a tiny Flux.1 whose text widths are this
+    CLIP's 64, from these latents and conditionings (``mask``: Train LoRA's mask input)."""
+    tiny, compat = pack_module("demo.tiny_models"), pack_module("nodes.host.comfy_compat")
+    glue, lora, train = (pack_module(m) for m in ("nodes.lora.glue", "lora.config", "nodes.train.node"))
+    config = compat.fit_flux_config({**tiny.TINY_UNET_CONFIGS["flux1_dev"], "context_in_dim": 64, "vec_in_dim": 64})
+    model = tiny.build_tiny_model("flux1_dev", seed=0, unet_config=config)
+    with torch.inference_mode():  # as ComfyUI's executor runs nodes
+        attached = glue.attach_lora(model, lora.LoRAConfig(rank=2, alpha=2))
+        out = _out(train.PrecisionTrainLoRA.execute([attached], latents, conds, [3], [0], ["cache_masks"], mask=mask))
+    return {k: (a.down.detach().clone(), a.up.detach().clone())
+            for k, a in glue.get_lora_set(out[0]).adapters().items()}
+
+
+def test_masks_ride_on_their_latents_are_cached_and_train_as_train_loras_mask_input(enc, folder, pack_module):
+    """masks: each image's mask goes to its latent's grid (the area average Train LoRA uses) as the LATENT's
+    noise_mask; a second run reads the grid masks from the cache; Train LoRA trains these latents exactly as the
+    plain latents with the same masks on its mask input (every bit), and not as the unmasked ones."""
+    to_grid = pack_module("training.masks").to_grid
+    images = _images(3, (64, 32))
+    masks = _left_masks(images)
+    latents, conds, report = run_masked(images, masks, enc)
+    assert enc.take() == (3, 2)
+    assert "3 masks (3 distinct, on their latents as noise_mask): 3 computed, 0 from cache" in report, report
+    assert sorted(os.listdir(folder)) == ["latents", "masks", "text"]
+    for latent, m in zip(latents, masks):
+        samples = latent["samples"]
+        assert latent["noise_mask"].shape == (1, 1, *samples.shape[-2:])
+        assert torch.equal(latent["noise_mask"][0], to_grid(m[0], tuple(samples.shape[1:])))
+    assert [float(lat["noise_mask"].mean()) for lat in latents] == [0.5, 0.625, 0.75]
+    again, conds_again, report = run_masked(images, masks, enc)
+    assert enc.take() == (0, 0)
+    assert "3 masks (3 distinct, on their latents as noise_mask): 0 computed, 3 from cache" in report, report
+    _same(again, latents)
+    plain, _, _ = run(images, CAPTIONS, enc.vae, enc.clip)
+    masked = _trained(pack_module, again, conds_again)
+    by_input = _trained(pack_module, plain, conds_again, mask=masks)
+    unmasked = _trained(pack_module, plain, conds_again)
+    assert set(masked) == set(by_input) and masked
+    for k in masked:
+        assert torch.equal(masked[k][0], by_input[k][0]) and torch.equal(masked[k][1], by_input[k][1]), k
+    assert any(not torch.equal(masked[k][1], unmasked[k][1]) for k in masked), "the masks changed nothing"
+
+
+def run_masked(images, masks, enc, cache: str = "use"):
+    node = node_class("PrecisionCachedTrainingDataset")
+    with torch.inference_mode():
+        return _out(node.execute(images=images, vae=[enc.vae], clip=[enc.clip], texts=CAPTIONS, cache=[cache],
+                                 masks=masks))[:3]
+
+
+def test_a_changed_mask_is_computed_again_and_the_latents_come_from_the_cache(enc, folder):
+    images = _images(3, (64, 32))
+    run_masked(images, _left_masks(images), enc)
+    enc.take()
+    latents, _, report = run_masked(images, _left_masks(images, share=0.25), enc)
+    assert enc.take() == (0, 0) and "3 images (3 distinct): 0 encoded, 3 from cache" in report
+    assert "3 masks (3 distinct, on their latents as noise_mask): 3 computed, 0 from cache" in report, report
+    assert [float(lat["noise_mask"].mean()) for lat in latents] == [0.25, 0.375, 0.5]
+
+
+@pytest.mark.parametrize("case,message", [
+    ("count", r"input 'masks' has 2 masks for 3 images; connect one mask per image"),
+    ("swapped", r"input 'masks': mask 1 \(0-based\) is 64x32 px but image 1 is 32x64 px: connect the masks of these "
+                r"images, in the same order"),
+    ("batch", r"input 'masks': mask 0 \(0-based\) has 2 masks for image 0; give one mask for all 1 images of the "
+              r"batch or one each"),
+    ("type", r"input 'masks': mask 2 \(0-based\) has shape \(1, 1, 8, 8\); connect MASKs \(B, H, W\)"),
+])
+def test_a_mask_that_does_not_pair_with_its_image_is_refused_before_anything_is_encoded(enc, folder, case, message):
+    """Images of different sizes: a mask list in another order than the images (the masks of another loader) is
+    refused naming both sizes; nothing is encoded or written."""
+    images = _images(2, (64, 32)) + _images(1, (32, 64))
+    images = [images[0], images[2], images[1]]
+    masks = _left_masks(images)
+    if case == "count":
+        masks = masks[:2]
+    elif case == "swapped":
+        masks = [masks[0], masks[2], masks[1]]
+    elif case == "batch":
+        masks[0] = torch.cat([masks[0], masks[0]])
+    else:
+        masks[2] = torch.ones(1, 1, 8, 8)
+    with pytest.raises(ValueError, match="PrecisionCachedTrainingDataset: " + message):
+        run_masked(images, masks, enc)
+    assert enc.take() == (0, 0) and not os.path.exists(folder)

@@ -229,3 +229,29 @@ def test_resolution_buckets_scale_every_frame_of_a_clip_alike(pack_module):
     assert out[0].shape[0] == 9 and out[1].shape[0] == 1 and len(counts) == 2
     size = (int(out[0].shape[2]), int(out[0].shape[1]))
     torch.testing.assert_close(out[0][4:5], res.fit(wide[4:5], size), rtol=0, atol=0)
+
+
+def test_a_clips_mask_rides_on_its_video_latent_and_trains_its_frames_masked(pack_module, clip):
+    """Cached Training Dataset's masks with a video VAE (Wan 2.1): one mask per clip goes to the video latent's grid
+    as its noise_mask, which Train LoRA's dataset reads as that sample's mask on every latent frame; a mask per
+    frame is refused (one mask for the clip)."""
+    cache, data = pack_module("nodes.dataset.cache"), pack_module("nodes.train.data")
+    to_grid = pack_module("training.masks").to_grid
+    vae, down = tiny_video_vae("wan21"), RULES["wan21"][1]
+    frames = clip_frames(5, down * 2)  # 2x2 latent cells, 2 latent frames
+    mask = torch.zeros(1, down * 2, down * 2)
+    mask[:, :down] = 1.0  # the top half
+    with torch.inference_mode():
+        latents, conds, report = cache.build([frames], ["a clip"], vae, clip, "off", "/nonexistent", masks=[mask])
+    samples = latents[0]["samples"]
+    assert samples.ndim == 5 and samples.shape[2] == 2
+    assert torch.equal(latents[0]["noise_mask"][0], to_grid(mask[0], tuple(samples.shape[1:])).reshape(1, 2, 2))
+    assert "1 masks (1 distinct, on their latents as noise_mask): 1 computed, 0 from cache" in report.summary()
+    model = families.build("WAN21_T2V")
+    built, dataset_report = data.build_dataset(model, latents, [families.conditioning("WAN21_T2V")], None,
+                                               torch.device("cpu"))
+    assert dataset_report.masked == [0]
+    assert built[0].mask.shape == (1, 1, 2, 2) and built[0].mask.flatten().tolist() == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"input 'masks': mask 0 \(0-based\) has 5 masks for image 0; give one mask "
+                                         r"for the clip"):
+        cache.build([frames], ["a clip"], vae, clip, "off", "/nonexistent", masks=[mask.expand(5, -1, -1)])

@@ -148,6 +148,61 @@ def test_a_restarted_server_reads_the_same_cache(server, base, tmp_path):
                            "3 from cache; cache " + os.path.join(other, "cache", "precision_lora", "dataset")), text
 
 
+def _masked_prompt(folder: str, on_dataset: bool) -> tuple[dict, dict]:
+    """``training_prompt`` with Precision Load Image Dataset (mask = files) and Resolution Buckets before the cache
+    node; the buckets' masks go to the cache node's masks (``on_dataset``) or to Train LoRA's mask. Returns the
+    prompt and the ids of the dataset, training and save nodes."""
+    prompt, data = training_prompt(steps=2, folder=folder)
+    loader = prompt[data]["inputs"]["images"][0]
+    prompt[loader] = {"class_type": "PrecisionLoadImageDataset",
+                      "inputs": {"folder": folder, "alpha": "white", "animated": "first_frame",
+                                 "missing_caption": "train_empty", "mask": "files"}}
+    prompt["buckets"] = {"class_type": "PrecisionResolutionBuckets",
+                         "inputs": {"images": [loader, 0], "texts": [loader, 1], "resolution": 64, "multiple": 16,
+                                    "max_upscale": 2.0, "masks": [loader, 3]}}
+    prompt[data]["inputs"].update(images=["buckets", 0], texts=["buckets", 1])
+    train = _of(prompt, "PrecisionTrainLoRA")
+    prompt[data if on_dataset else train]["inputs"]["masks" if on_dataset else "mask"] = ["buckets", 3]
+    prompt[train]["inputs"]["name"] = f"cache_masks_{int(on_dataset)}"
+    return prompt, {"data": data, "train": train, "save": _of(prompt, "PrecisionSaveLoRA")}
+
+
+def test_masks_on_the_cached_dataset_train_as_train_loras_mask_input_and_are_cached(server, base):
+    """Masks from files beside the images (Load Image Dataset mask = files), cropped by Resolution Buckets, given to
+    Cached Training Dataset's masks: each rides on its image's LATENT (noise_mask) into Train LoRA, which trains the
+    same LoRA, every bit, as with the same masks on its own mask input; a second run reads the masks from the
+    cache."""
+    folder = "dataset_cache_masks"
+    write_dataset(base, folder)
+    for i in (0, 2):  # img1 has no mask file: it trains whole
+        with Image.open(os.path.join(base, "input", folder, f"img{i}.png")) as im:
+            w, h = im.size
+        mask = np.zeros((h, w), dtype=np.uint8)
+        mask[:, : w // 2] = 255
+        Image.fromarray(mask).save(os.path.join(base, "input", folder, f"img{i}_mask.png"))
+    loras = {}
+    for on_dataset in (True, False):
+        prompt, ids = _masked_prompt(folder, on_dataset)
+        entry = _run(server, prompt)
+        text = _report(entry, ids["data"])
+        if on_dataset:
+            assert "3 masks (3 distinct, on their latents as noise_mask): 3 computed, 0 from cache" in text, text
+        else:
+            assert "masks" not in text.split("; cache")[0], text
+        (path,) = entry["outputs"][ids["save"]]["text"][:1]
+        with safetensors.safe_open(path, "pt") as f:
+            loras[on_dataset] = ({k: f.get_tensor(k) for k in f.keys()}, f.metadata()["precision_lora_mask"])
+    (on_data, meta_data), (on_input, meta_input) = loras[True], loras[False]
+    assert meta_data == meta_input == "3 of 3 samples masked, unmasked_weight 0"
+    assert set(on_data) == set(on_input) and on_data
+    for k in on_data:
+        assert torch.equal(on_data[k], on_input[k]), k
+    prompt, ids = _masked_prompt(folder, True)
+    prompt[ids["train"]]["inputs"]["steps"] = 1  # a changed run: the dataset node runs again
+    text = _report(_run(server, prompt), ids["data"])
+    assert "3 masks (3 distinct, on their latents as noise_mask): 0 computed, 3 from cache" in text, text
+
+
 def _entries(base: str) -> dict[str, int]:
     """{path under the cache folder: modification time in ns} of every file in the dataset cache."""
     root = os.path.join(base, "cache", "precision_lora", "dataset")
