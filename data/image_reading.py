@@ -146,3 +146,27 @@ def _composite(pixels: np.ndarray, alpha: str, notes: list[str]) -> np.ndarray:
                          "(white, black, gray) or remove the transparency")
     notes.append(f"transparent pixels ({share}) composited on {alpha}")
     return (rgb * a + np.float32(BACKGROUNDS[alpha]) * (1.0 - a)).astype(np.float32)
+
+
+def paired_masks(masks: list | None, images: list, source: str) -> list[torch.Tensor | None]:
+    """One (B, H, W) float32 mask per image (IMAGE (B, H, W, C)), each the size of its image; None for every image
+    when no masks are given. A ValueError naming the mask and its image when they do not pair; ``source`` names
+    the node whose masks output goes with these images (the fix)."""
+    if not masks:
+        return [None] * len(images)
+    fix = f"one mask per image, the masks of these images in the same order (the masks output of {source})"
+    if len(masks) != len(images):
+        raise ValueError(f"input 'masks' has {len(masks)} masks for {len(images)} images; connect {fix}")
+    out = []
+    for i, (m, image) in enumerate(zip(masks, images)):
+        if not isinstance(m, torch.Tensor) or m.ndim not in (2, 3) or 0 in m.shape:
+            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"input 'masks': mask {i} (0-based) has shape {shape}, not a MASK (B, H, W); "
+                             f"connect {fix}")
+        m = m.reshape(-1, *m.shape[-2:]).float()
+        (h, w) = m.shape[-2:]
+        if isinstance(image, torch.Tensor) and (h, w) != tuple(image.shape[1:3]):
+            raise ValueError(f"input 'masks': mask {i} (0-based) is {w}x{h} px but image {i} is "
+                             f"{image.shape[2]}x{image.shape[1]} px; connect {fix}")
+        out.append(m)
+    return out

@@ -28,6 +28,7 @@ import torch
 from ...data.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
 from . import cache_glue as glue
 from ...data.frames import frames_problem, vae_family, vae_frame_step
+from ...data.image_reading import paired_masks
 from ...training.masks import to_grid
 from ..checks.gate import PrecisionNode
 from ..host import page
@@ -113,28 +114,16 @@ def _images(images: list) -> list[torch.Tensor]:
 def _masks(masks: list | None, images: list[torch.Tensor], video: bool) -> list[torch.Tensor | None]:
     """Each image's mask as (B, H, W) (B: 1, or the image batch's size with an image VAE), None for all when no
     masks are connected; a mask that does not pair with its image is refused naming both."""
-    if not masks:
-        return [None] * len(images)
-    if len(masks) != len(images):
-        raise _err(f"input 'masks' has {len(masks)} masks for {len(images)} images; connect one mask per image "
-                   "(Precision Resolution Buckets' masks, from the loader of these images)")
-    out = []
-    for i, (m, image) in enumerate(zip(masks, images)):
-        if not isinstance(m, torch.Tensor) or m.ndim not in (2, 3) or 0 in m.shape:
-            shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
-            raise _err(f"input 'masks': mask {i} (0-based) has shape {shape}; connect MASKs (B, H, W)")
-        m = m.reshape(-1, *m.shape[-2:])
-        (h, w), (big_h, big_w) = m.shape[-2:], image.shape[1:3]
-        if (h, w) != (big_h, big_w):
-            raise _err(f"input 'masks': mask {i} (0-based) is {w}x{h} px but image {i} is {big_w}x{big_h} px: "
-                       "connect the masks of these images, in the same order (Resolution Buckets' masks with its "
-                       "images)")
+    try:
+        paired = paired_masks(masks, images, "Precision Resolution Buckets")
+    except ValueError as exc:
+        raise _err(str(exc)) from None
+    for i, (m, image) in enumerate(zip(paired, images)):
         frames = 1 if video else int(image.shape[0])
-        if m.shape[0] not in (1, frames):
+        if m is not None and m.shape[0] not in (1, frames):
             what = "one mask for the clip" if video else f"one mask for all {frames} images of the batch or one each"
             raise _err(f"input 'masks': mask {i} (0-based) has {m.shape[0]} masks for image {i}; give {what}")
-        out.append(m)
-    return out
+    return paired
 
 
 def _check_frames(images: list[torch.Tensor], vae: Any) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...data.image_reading import paired_masks
 from ..checks.gate import PrecisionNode
 from ..host.comfy_io import io
 from ..model.info import describe_model
@@ -155,26 +156,6 @@ def bucket_images(images: list[Any], resolution: int, multiple: int, max_upscale
     return out, counts
 
 
-def _masks(masks: list[Any], images: list[Any]) -> list[torch.Tensor | None]:
-    """One (B, H, W) mask per image (None where no masks are connected), each the size of its image, or an
-    error naming the mask."""
-    if not masks:
-        return [None] * len(images)
-    if len(masks) != len(images):
-        raise _err(f"input 'masks' has {len(masks)} masks for {len(images)} images; connect the loader's masks "
-                   "output (one per image)")
-    out = []
-    for i, (m, image) in enumerate(zip(masks, images)):
-        m = m[None] if isinstance(m, torch.Tensor) and m.ndim == 2 else m
-        if not isinstance(m, torch.Tensor) or m.ndim != 3:
-            raise _err(f"input 'masks': mask {i} (0-based) is not a MASK (B, H, W); connect the loader's masks")
-        if isinstance(image, torch.Tensor) and tuple(m.shape[1:]) != tuple(image.shape[1:3]):
-            raise _err(f"input 'masks': mask {i} (0-based) is {m.shape[2]}x{m.shape[1]} px but image {i} is "
-                       f"{image.shape[2]}x{image.shape[1]} px; connect the masks of the same images, in order")
-        out.append(m.float())
-    return out
-
-
 def _empty_texts(texts: list[Any]) -> str:
     """A report sentence naming the empty texts among non-empty ones (an image without its .txt caption
     trains on the empty caption), or ''."""
@@ -235,7 +216,10 @@ class PrecisionResolutionBuckets(PrecisionNode):
         if texts and len(texts) != len(images):
             raise _err(f"input 'texts' has {len(texts)} entries for {len(images)} images; connect the loader's "
                        "texts output (one per image)")
-        masks = _masks(list(masks) if masks else [], images)
+        try:
+            masks = paired_masks(list(masks) if masks else [], images, "Precision Load Image Dataset")
+        except ValueError as exc:
+            raise _err(str(exc)) from None
         step, source = resolve_multiple(multiple, model)
         fitted, counts = bucket_images(images, resolution, step, max_upscale)
         fitted_masks = [fit(m[..., None], (int(f.shape[2]), int(f.shape[1])))[..., 0] if m is not None

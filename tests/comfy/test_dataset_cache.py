@@ -391,12 +391,14 @@ def test_a_changed_mask_is_computed_again_and_the_latents_come_from_the_cache(en
 
 
 @pytest.mark.parametrize("case,message", [
-    ("count", r"input 'masks' has 2 masks for 3 images; connect one mask per image"),
-    ("swapped", r"input 'masks': mask 1 \(0-based\) is 64x32 px but image 1 is 32x64 px: connect the masks of these "
-                r"images, in the same order"),
+    ("count", r"input 'masks' has 2 masks for 3 images; connect one mask per image, the masks of these images in "
+              r"the same order \(the masks output of Precision Resolution Buckets\)"),
+    ("swapped", r"input 'masks': mask 1 \(0-based\) is 64x32 px but image 1 is 32x64 px; connect one mask per "
+                r"image"),
     ("batch", r"input 'masks': mask 0 \(0-based\) has 2 masks for image 0; give one mask for all 1 images of the "
               r"batch or one each"),
-    ("type", r"input 'masks': mask 2 \(0-based\) has shape \(1, 1, 8, 8\); connect MASKs \(B, H, W\)"),
+    ("type", r"input 'masks': mask 2 \(0-based\) has shape \(1, 1, 8, 8\), not a MASK \(B, H, W\); connect one "
+             r"mask per image"),
 ])
 def test_a_mask_that_does_not_pair_with_its_image_is_refused_before_anything_is_encoded(enc, folder, case, message):
     """Images of different sizes: a mask list in another order than the images (the masks of another loader) is
