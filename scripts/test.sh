@@ -64,6 +64,10 @@ fi
 # there the runs go one after the other. The runs share nothing they write but .cache/ (written atomically, per
 # process) and loopback ports (each lane takes its own: tests/ports.py). With more than one lane each run's output
 # goes to a log, printed whole when its lane ends.
+# Workers for the in-process tiers of a whole-suite run (PRECISION_LORA_WORKERS=N; default: the CPU count, at most 2;
+# 1 runs everything in one process as before). Not for tests chosen by hand (pass -n yourself).
+workers="${PRECISION_LORA_WORKERS:-$(n=$(nproc); echo $((n < 2 ? n : 2)))}"
+case "$workers" in ''|*[!0-9]*|0) echo "[precision-lora] PRECISION_LORA_WORKERS=$workers: use a count of workers (1, 2, ...)"; exit 2 ;; esac
 label_of() { if [ "$1" = frontend ]; then echo "$FRONTEND_LABEL"; else echo "$1"; fi; }
 run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<label>.xml, its exit status REPORTS/<label>.rc
   local run="$1" label rc
@@ -80,8 +84,23 @@ run_one() {  # RUN [pytest args]: one pytest run; its junit report is REPORTS/<l
     echo "== pytest on ComfyUI $run ($HOST_COMFY)"
   fi
   set +e
-  PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label.xml" --durations=25 "$@"
-  rc=$?
+  if [ "$run" != frontend ] && [ $only_options = 1 ] && [ "$workers" -ge 2 ]; then
+    # the whole suite: the in-process tiers (unit, comfy) on $workers pytest workers, a test file each at a time
+    # (its tests in order on one worker), one intra-op thread each; then the server tiers (e2e, browser) in one
+    # process, as before. Two reports: REPORTS/<label>@inprocess.xml and REPORTS/<label>@servers.xml.
+    echo "== the in-process tests (tests/unit, tests/comfy) on $workers workers"
+    OMP_NUM_THREADS=1 PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest -n "$workers" --dist loadfile \
+      --junitxml="$REPORTS/$label@inprocess.xml" --durations=25 "$@" tests/unit tests/comfy
+    rc=$?
+    echo "== the server tests (tests/e2e, tests/browser)"
+    PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label@servers.xml" \
+      --durations=25 "$@" tests/e2e tests/browser
+    rc2=$?
+    [ $rc -ne 0 ] || rc=$rc2
+  else
+    PRECISION_LORA_COMFYUI="$HOST_COMFY" "$HOST_PY" -m pytest --junitxml="$REPORTS/$label.xml" --durations=25 "$@"
+    rc=$?
+  fi
   set -e
   unset PRECISION_LORA_FRONTEND
   if [ $rc -eq 5 ]; then echo "[precision-lora] pytest collected no tests on ComfyUI $label: failing"; fi
@@ -116,7 +135,11 @@ fi
 report_files=()
 for run in "${runs[@]}"; do
   label="$(label_of "$run")"
-  report_files+=("$REPORTS/$label.xml")
+  if [ -e "$REPORTS/$label@inprocess.xml" ] || [ -e "$REPORTS/$label@servers.xml" ]; then
+    report_files+=("$REPORTS/$label@inprocess.xml" "$REPORTS/$label@servers.xml")
+  else
+    report_files+=("$REPORTS/$label.xml")
+  fi
   [ "$(cat "$REPORTS/$label.rc" 2>/dev/null || echo 1)" = 0 ] || status=1
 done
 python3 scripts/test_summary.py "${report_files[@]}" || status=1
