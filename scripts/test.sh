@@ -2,7 +2,8 @@
 # Set-up (idempotent) + the whole test suite on every ComfyUI host: unit, in-process ComfyUI, real server
 # (e2e), browser, JS.
 #   bash scripts/test.sh [--host 0.33.0|0.3.75|custom|all] [pytest args]     e.g. bash scripts/test.sh --host 0.3.75 -x
-# Default: all shipped hosts, one pytest run each (PRECISION_LORA_HOST=... works too), then, when 0.33.0 is among them
+# Default: all shipped hosts, one pytest run each (in a whole-suite run: its in-process tiers on two workers, then its
+# server tiers; see run_one) (PRECISION_LORA_HOST=... works too), then, when 0.33.0 is among them
 # and no pytest arguments but options were given, a third run: the browser tests of the pack's page extensions on
 # ComfyUI 0.33.0 with the newest PyPI frontend (see NEWEST_FRONTEND_TESTS). Exits non-zero on any failure, including
 # "no tests collected" on a host. Each run lists its 25 slowest tests; the last line sums the runs' counts.
