@@ -13,8 +13,6 @@ A clip of a length the VAE does not encode whole is refused with the count to tr
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 
 import pytest
 import torch

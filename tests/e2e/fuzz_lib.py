@@ -98,7 +98,7 @@ class Mutation:
 
 
 def _number_values(spec: dict, integer: bool) -> list[tuple[str, Any]]:
-    lo, hi = spec.get("min"), spec.get("max")
+    hi = spec.get("max")
     huge = 2 ** 64 if integer else 1e308
     out = [("wrong type", "abc"), ("negative", -1), ("zero", 0), ("huge", huge if hi is None or hi < huge else 10 ** 30)]
     out += [("nan", "nan")] if integer else [("nan", math.nan), ("inf", math.inf), ("-inf", -math.inf)]

@@ -11,7 +11,6 @@ LoRA (whose entries are ~1e-1) leaves two orders of magnitude of margin and stil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal

@@ -29,8 +29,8 @@ def _copy_of_pack(folder) -> str:
 def _other_pack(folder, name="ComfyUI-KJNodes") -> str:
     os.makedirs(folder)
     with open(os.path.join(folder, "pyproject.toml"), "w") as f:
-        f.write(f'[project]\nversion = "1"\n\n[tool.comfy]\nname = "comfyui-precision-lora"\n\n'
-                f'[project.urls]\nname = "x"\n')
+        f.write('[project]\nversion = "1"\n\n[tool.comfy]\nname = "comfyui-precision-lora"\n\n'
+                '[project.urls]\nname = "x"\n')
     open(os.path.join(folder, "__init__.py"), "w").close()
     return str(folder)
 
