@@ -163,7 +163,7 @@ def _plan(images: list[torch.Tensor], texts: list[str], vae: Any, clip: Any,
         text_keys.append(tokens_of[text])
     mask_keys: list[str | None] = []
     for image_key, m in zip(image_keys, masks):
-        key = None if m is None else digest("masks", image_key, m.float())
+        key = None if m is None else digest("masks", image_key, m)
         if key is not None:
             items.setdefault(key, _Item("masks", key, (m, image_key)))
         mask_keys.append(key)
@@ -252,7 +252,7 @@ def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, fold
         if mode != "off" and not (it.kind == "text" and hooks):
             _write(store, it, report)
         progress.encoded_one(label[it.kind], time.monotonic() - t0)
-    latents = [{"samples": items[k].value} if m is None else {"samples": items[k].value, "noise_mask": items[m].value}
+    latents = [{"samples": items[k].value, **({} if m is None else {"noise_mask": items[m].value})}
                for k, m in zip(image_keys, mask_keys)]
     conditioning = [items[k].value for k in text_keys]
     report.seconds = time.monotonic() - began
@@ -270,8 +270,8 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
                         "caption with the text encoder exactly as ComfyUI's Make Training Dataset does, keeps each "
                         "result in <ComfyUI>/cache/precision_lora/dataset, and reads it back on later runs (any "
                         "workflow, after restarts) instead of encoding again. A changed image, caption, "
-                        "resolution or encoder encodes that item again. With masks, each image's mask rides on its LATENT "
-                        "as noise_mask (masked loss). Outputs go to Train LoRA's latents and conditioning.",
+                        "resolution or encoder encodes that item again. With masks, each image's mask rides on its "
+                        "LATENT as noise_mask (masked loss). Outputs go to Train LoRA's latents and conditioning.",
             is_input_list=True, is_output_node=True,
             inputs=[
                 io.Image.Input("images", tooltip="The images to train on (LoadImageTextDataSetFromFolder's images, or "

@@ -66,7 +66,7 @@ class PrecisionLoadImageDataset(PrecisionNode):
                                        "caption (named in the report) or refuse the dataset."),
                 io.Combo.Input("mask", options=list(MASK_CHOICES), default="none", optional=True,
                                tooltip="Where the masks output comes from (masked loss: connect it through "
-                                       "Resolution Buckets' masks to Train LoRA's mask). "
+                                       "Resolution Buckets' masks to Cached Training Dataset's masks or Train LoRA's mask). "
                                        + "; ".join(f"{k}: {v}" for k, v in MASK_CHOICES.items()) + "."),
             ],
             outputs=[
@@ -80,7 +80,8 @@ class PrecisionLoadImageDataset(PrecisionNode):
                                          "and the files not read."),
                 io.Mask.Output(display_name="masks", is_output_list=True,
                                tooltip="One mask per image, at the image's size (see the mask input): connect to "
-                                       "Resolution Buckets' masks, then to Train LoRA's mask."),
+                                       "Resolution Buckets' masks, then to Cached Training Dataset's masks (or "
+                                       "Train LoRA's mask)."),
             ],
         )
 

@@ -194,7 +194,8 @@ class PrecisionResolutionBuckets(PrecisionNode):
                 io.Model.Input("model", optional=True, tooltip="The model to train: sets the multiple when 'multiple' is 0."),
                 io.Mask.Input("masks", optional=True,
                               tooltip="One mask per image at the image's size (PrecisionLoadImageDataset's masks): "
-                                      "scaled and cropped exactly as its image, for Train LoRA's mask."),
+                                      "scaled and cropped exactly as its image, for Cached Training Dataset's "
+                                      "masks (or Train LoRA's mask)."),
             ],
             outputs=[
                 io.Image.Output(display_name="images", is_output_list=True, tooltip="The images at their bucket sizes, in input order."),
@@ -202,7 +203,8 @@ class PrecisionResolutionBuckets(PrecisionNode):
                 io.String.Output(display_name="report", tooltip="Buckets and their image counts, and where the multiple came from."),
                 io.Mask.Output(display_name="masks", is_output_list=True,
                                tooltip="The masks at their images' bucket sizes, in input order (the whole image "
-                                       "where none is connected): connect to Train LoRA's mask."),
+                                       "where none is connected): connect to Cached Training Dataset's "
+                                       "masks (each rides on its image's latent), or to Train LoRA's mask."),
             ],
         )
 
