@@ -122,3 +122,64 @@ def _metadata(path: str) -> dict:
 
     with safe_open(path, "pt") as f:
         return f.metadata()
+
+
+CACHE_MASKS = "image_dataset_ui_cache_masks"
+
+
+def test_masks_through_the_cached_dataset_from_the_page(comfy_page, comfy_server):
+    """Cached Training Dataset's masks from the page: Load Image Dataset (mask = alpha) → Resolution Buckets' masks →
+    the cache node's masks (with Load VAE and Load CLIP: a tiny TAESD VAE, tests/real_arch.py's real-size CLIP-L),
+    its latents into Train LoRA without Train LoRA's own mask. The page queues the link as dropped; the node's
+    report says the mask rides on its latent, and the saved LoRA says its one sample trained masked."""
+    import subprocess
+    import sys
+
+    import real_arch
+    from server_harness import server_env
+
+    root, base = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), comfy_server.base_dir
+    vae = os.path.join(base, "models", "vae", "precision_ui_cache_masks_taesd.safetensors")
+    os.makedirs(os.path.dirname(vae), exist_ok=True)
+    for cmd in ([os.path.join(root, "tests", "real_arch.py"), base], [os.path.join(root, "tests", "preview_vae.py"), vae]):
+        subprocess.run([sys.executable, *cmd], check=True, env=server_env(), timeout=600)
+    path = os.path.join(base, "input", CACHE_MASKS)
+    os.makedirs(path, exist_ok=True)
+    top = np.zeros((64, 64, 4), dtype=np.uint8)
+    top[:32] = (200, 30, 30, 255)  # the top half opaque
+    Image.fromarray(top, "RGBA").save(os.path.join(path, "t.png"))
+    with open(os.path.join(path, "t.txt"), "w", encoding="utf-8") as f:
+        f.write("a photo of sks")
+    prompt = {
+        "1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
+            "folder": CACHE_MASKS, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty",
+            "mask": "alpha"}},
+        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
+            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0,
+            "masks": ["1", 3]}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": os.path.basename(vae)}},
+        "4": {"class_type": "CLIPLoader", "inputs": {"clip_name": real_arch.CLIP_L_NAME, "type": "stable_diffusion",
+                                                     "device": "default"}},
+        "5": {"class_type": "PrecisionCachedTrainingDataset", "inputs": {
+            "images": ["2", 0], "vae": ["3", 0], "clip": ["4", 0], "texts": ["2", 1], "cache": "off",
+            "masks": ["2", 3]}},
+        "6": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {
+            "model_name": real_arch.TINY_FLUX_NAME, "weight_dtype": "fp32"}},
+        "7": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["6", 0], **ATTACH}},
+        "8": {"class_type": "PrecisionTrainLoRA", "inputs": {
+            "model": ["7", 0], "latents": ["5", 0], "conditioning": ["5", 1], "steps": 2, "seed": 0,
+            "name": "ui_cache_masks"}},
+        "9": {"class_type": "PrecisionSaveLoRA", "inputs": {
+            "model": ["8", 0], "filename_prefix": "ui_cache_masks/ui_cache_masks", "folder": "loras",
+            "save_dtype": "fp32", "key_style": "auto", "use_counter": True, "overwrite": False}},
+    }
+    _drop_api_text(comfy_page, "cache_masks_api.json", json.dumps(prompt))
+    entry = _run_from_page(comfy_page, comfy_server)
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
+    sent = entry["prompt"][2]
+    assert sent["5"]["inputs"]["masks"] == ["2", 3] and "mask" not in sent["8"]["inputs"], sent
+    (report,) = entry["outputs"]["5"]["text"]
+    assert "1 masks (1 distinct, on their latents as noise_mask): 1 computed, 0 from cache" in report, report
+    md = _metadata(entry["outputs"]["9"]["text"][0])
+    assert md["precision_lora_mask"] == "1 of 1 samples masked, unmasked_weight 0", md
+    assert comfy_page.pack_errors() == []
