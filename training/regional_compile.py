@@ -27,9 +27,11 @@ eager mode raises it.
 A compiled block gets its tensor inputs contiguous: with a transposed input that needs no gradient (tiny Mochi's
 block 0), the graph breaks around the eager LoRA layers gave gradients 2.7x off with no error (inductor; also
 aot_eager in a stand-alone setting); reproduced with ComfyUI's Mochi blocks and a plain ``torch.compiler.disable``'d
-low-rank layer, and gone with contiguous inputs. Compiled gradients are checked before the run trains (``check_gradients``): one loss + backward of the first
-sample eager and compiled, every LoRA gradient tensor compared against ``GRADIENT_TOLERANCE`` of the model's dtype;
-beyond it the run is eager, with the difference in the report. Pure torch, no ComfyUI.
+low-rank layer, and gone with contiguous inputs.
+
+Compiled gradients are checked before the run trains (``check_gradients``): one loss + backward of the first sample
+eager and compiled, every LoRA gradient tensor compared against ``GRADIENT_TOLERANCE`` of the model's dtype; beyond
+it the run is eager, with the difference in the report. Pure torch, no ComfyUI.
 """
 from __future__ import annotations
 
