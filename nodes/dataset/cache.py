@@ -15,6 +15,12 @@ latent's grid (``training.masks.to_grid``, the area average Train LoRA uses) and
 ``noise_mask`` (ComfyUI's convention, as Set Latent Noise Mask), so Train LoRA trains it masked with the mask
 paired to its own image whatever happens to the order later. The grid masks are cache entries too
 (``masks/<sha256>``, keyed by the image's latent key and the mask's pixels).
+
+``outside_mask`` says what the VAE sees outside the masks. ``keep``: the whole image (the model reads the
+region outside the mask as context, and the loss weighs it by Train LoRA's ``unmasked_weight``; at weight 0
+those pixels still change the LoRA through the VAE encoder's and the model's receptive fields). A colour
+(``data.image_reading.BACKGROUNDS``): each pixel becomes ``mask * pixel + (1 - mask) * colour`` before encoding,
+so a pixel where its mask is 0 never reaches the latent, the model or the LoRA (docs/datasets.md).
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import torch
 from ...data.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pack_conditioning, unpack_conditioning
 from . import cache_glue as glue
 from ...data.frames import frames_problem, vae_family, vae_frame_step
-from ...data.image_reading import paired_masks
+from ...data.image_reading import BACKGROUNDS, paired_masks
 from ...training.masks import to_grid
 from ..checks.gate import PrecisionNode
 from ..host import page
@@ -37,6 +43,7 @@ from ..host.comfy_io import io, ui
 log = logging.getLogger(__name__)
 NODE = "PrecisionCachedTrainingDataset"
 MODES = ("use", "rebuild", "off")  # read+write / encode everything and overwrite / no disk at all
+OUTSIDE = ("keep", *BACKGROUNDS)  # what the VAE sees where a mask is 0: the image, or a colour
 
 
 def _err(message: str) -> ValueError:
@@ -59,6 +66,7 @@ class CacheReport:
     not_stored: list[str] = field(default_factory=list)
     seconds: float = 0.0
     clips: str = ""  # with a video VAE: what the clips are and the latent frames they encode to
+    outside: str = "keep"  # outside_mask
 
     def summary(self) -> str:
         n_img, n_txt = self.encoded["latents"] + self.cached["latents"], self.encoded["text"] + self.cached["text"]
@@ -70,6 +78,8 @@ class CacheReport:
             n_mask = self.encoded["masks"] + self.cached["masks"]
             parts.append(f"{self.masks} masks ({n_mask} distinct, on their latents as noise_mask): "
                          f"{self.encoded['masks']} computed, {self.cached['masks']} from cache")
+        if self.outside != "keep":
+            parts.append(f"pixels outside the masks set to {self.outside} before encoding")
         if self.clips:
             parts.append(self.clips)
         if self.rejected:
@@ -124,6 +134,24 @@ def _masks(masks: list | None, images: list[torch.Tensor], video: bool) -> list[
             what = "one mask for the clip" if video else f"one mask for all {frames} images of the batch or one each"
             raise _err(f"input 'masks': mask {i} (0-based) has {m.shape[0]} masks for image {i}; give {what}")
     return paired
+
+
+def _fill_outside(images: list[torch.Tensor], masks: list[torch.Tensor | None], outside: str) -> list[torch.Tensor]:
+    """The images with every pixel blended toward the ``outside`` colour by its mask (0: the colour exactly, 1: the
+    pixel exactly); an image without a mask is unchanged. A mask (1, H, W) covers every image (frame) of its batch."""
+    if outside == "keep":
+        return images
+    if all(m is None for m in masks):
+        raise _err(f"input 'outside_mask' is {outside!r} but no masks are connected; connect masks (Precision "
+                   "Resolution Buckets' masks) or set outside_mask to keep")
+    colour = BACKGROUNDS[outside]
+    out = []
+    for image, m in zip(images, masks):
+        if m is not None:
+            m = m.to(image.device, image.dtype).unsqueeze(-1)
+            image = torch.cat([image[..., :3] * m + colour * (1 - m), image[..., 3:]], dim=-1)
+        out.append(image)
+    return out
 
 
 def _check_frames(images: list[torch.Tensor], vae: Any) -> str:
@@ -218,17 +246,19 @@ def _write(store: EntryStore, item: _Item, report: CacheReport) -> None:
 
 def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, folder: str,
           node_id: str | None = None, send_text=None,
-          masks: list | None = None) -> tuple[list[dict], list[list], CacheReport]:
+          masks: list | None = None, outside: str = "keep") -> tuple[list[dict], list[list], CacheReport]:
     """The dataset (one LATENT dict, with its image's mask as ``noise_mask`` when ``masks`` are given, and one
-    CONDITIONING per image, in order) and what the cache did."""
+    CONDITIONING per image, in order) and what the cache did. ``outside``: ``OUTSIDE``, what the VAE sees where
+    a mask is 0 (``_fill_outside``)."""
     began = time.monotonic()
     images = _images(images)
     texts = _texts(texts, len(images))
     clips = _check_frames(images, vae)
     pixel_masks = _masks(masks, images, video=vae_frame_step(vae) is not None)
+    images = _fill_outside(images, pixel_masks, outside)
     image_keys, text_keys, mask_keys, items = _plan(images, texts, vae, clip, pixel_masks)
     report = CacheReport(folder, mode, images=len(images), captions=len(texts), clips=clips,
-                         masks=sum(k is not None for k in mask_keys))
+                         masks=sum(k is not None for k in mask_keys), outside=outside)
     store = EntryStore(folder)
     hooks = glue.clip_hooks(clip)
     if hooks is not None:
@@ -294,6 +324,12 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
                                       "white = train here): each rides on its image's LATENT as noise_mask, so "
                                       "Train LoRA trains it masked (masked loss, Train Settings' unmasked_weight). "
                                       "A mask whose size is not its image's is refused."),
+                io.Combo.Input("outside_mask", options=list(OUTSIDE), default=OUTSIDE[0], optional=True,
+                               tooltip="What the VAE sees where a mask is 0. keep: the whole image; the model reads "
+                                       "the background as context, so it still shapes the LoRA even at "
+                                       "unmasked_weight 0. gray / white / black: those pixels are set to the colour "
+                                       "before encoding (soft mask edges blend), so they never reach the LoRA; use "
+                                       "with unmasked_weight 0, else the LoRA learns the colour there. Needs masks."),
             ],
             outputs=[
                 io.Latent.Output(display_name="latents", is_output_list=True,
@@ -308,12 +344,13 @@ class PrecisionCachedTrainingDataset(PrecisionNode):
         )
 
     @classmethod
-    def execute(cls, images, vae, clip, texts=None, cache=None, masks=None) -> io.NodeOutput:
+    def execute(cls, images, vae, clip, texts=None, cache=None, masks=None, outside_mask=None) -> io.NodeOutput:
         mode = (cache or [MODES[0]])[0]
+        outside = (outside_mask or [OUTSIDE[0]])[0]
         node_id = page.executing_ids(getattr(getattr(cls, "hidden", None), "unique_id", None))[0]
         folder = glue.cache_folder()
         latents, conditioning, report = build(images, texts, vae[0], clip[0], mode, folder, node_id,
-                                              (lambda text: page.show_on_node(text, node_id)), masks)
+                                              (lambda text: page.show_on_node(text, node_id)), masks, outside)
         text = report.summary()
         log.info("%s: %s", NODE, text)
         return io.NodeOutput(latents, conditioning, text, ui=ui.PreviewText(text))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -373,11 +374,74 @@ def test_masks_ride_on_their_latents_are_cached_and_train_as_train_loras_mask_in
     assert any(not torch.equal(masked[k][1], unmasked[k][1]) for k in masked), "the masks changed nothing"
 
 
-def run_masked(images, masks, enc, cache: str = "use"):
+def run_masked(images, masks, enc, cache: str = "use", outside: str | None = None):
     node = node_class("PrecisionCachedTrainingDataset")
+    extra = {} if outside is None else {"outside_mask": [outside]}
     with torch.inference_mode():
         return _out(node.execute(images=images, vae=[enc.vae], clip=[enc.clip], texts=CAPTIONS, cache=[cache],
-                                 masks=masks))[:3]
+                                 masks=masks, **extra))[:3]
+
+
+def _other_outside(images: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The images with new random pixels wherever their mask is 0, the same pixels elsewhere."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.where(m.unsqueeze(-1) == 0, torch.rand(image.shape, generator=gen), image)
+            for image, m in zip(images, masks)]
+
+
+def test_outside_mask_gray_keeps_the_pixels_outside_the_masks_from_the_lora(enc, folder, pack_module):
+    """outside_mask = gray: images that differ only where their masks are 0 encode to the same latents (the second
+    set reads the first's entries: the same keys) and, at unmasked_weight 0, train the same LoRA, every bit. With
+    keep, the same two sets give other latents and another LoRA: the model reads the region as context."""
+    images = _images(3, (64, 32))
+    masks = _left_masks(images)
+    other = _other_outside(images, masks)
+    assert all(not torch.equal(a, b) for a, b in zip(images, other))
+    latents, conds, report = run_masked(images, masks, enc, outside="gray")
+    assert enc.take() == (3, 2) and "pixels outside the masks set to gray before encoding" in report, report
+    latents_other, _, report = run_masked(other, masks, enc, outside="gray")
+    assert enc.take() == (0, 0) and "3 images (3 distinct): 0 encoded, 3 from cache" in report, report
+    _same(latents_other, latents)
+    kept, _, report = run_masked(images, masks, enc, outside="keep")
+    kept_other, _, _ = run_masked(other, masks, enc, outside="keep")
+    assert "before encoding" not in report, report
+    assert all(not torch.equal(a["samples"], b["samples"]) for a, b in zip(kept, kept_other))
+    assert all(not torch.equal(a["samples"], b["samples"]) for a, b in zip(kept, latents))
+    first, second = _trained(pack_module, latents, conds), _trained(pack_module, latents_other, conds)
+    assert set(first) == set(second) and first
+    for k in first:
+        assert torch.equal(first[k][0], second[k][0]) and torch.equal(first[k][1], second[k][1]), k
+    a, b = _trained(pack_module, kept, conds), _trained(pack_module, kept_other, conds)
+    assert any(not torch.equal(a[k][1], b[k][1]) for k in a), "keep: the region outside changed nothing"
+    enc.take()
+
+
+def test_outside_mask_blends_each_pixel_toward_the_colour_by_its_mask(pack_module):
+    """0 gives the colour exactly, 1 the pixel exactly, between a blend; an alpha channel and an image without a
+    mask are left alone; a (1, H, W) mask covers every image (frame) of its batch."""
+    fill = pack_module("nodes.dataset.cache")._fill_outside
+    image = torch.rand(2, 2, 3, 4, generator=torch.Generator().manual_seed(3))
+    m = torch.tensor([[[0.0, 1.0, 0.25], [1.0, 0.0, 0.5]]])
+    plain = torch.rand(1, 2, 3, 3)
+    out, same = fill([image, plain], [m, None], "white")
+    assert same is plain and torch.equal(out[..., 3], image[..., 3])
+    assert torch.equal(out[:, 0, 0, :3], torch.ones(2, 3)) and torch.equal(out[:, 1, 1, :3], torch.ones(2, 3))
+    assert torch.equal(out[:, 0, 1, :3], image[:, 0, 1, :3]) and torch.equal(out[:, 1, 0, :3], image[:, 1, 0, :3])
+    torch.testing.assert_close(out[:, 0, 2, :3], image[:, 0, 2, :3] * 0.25 + 0.75, rtol=0, atol=1e-7)
+    assert torch.equal(fill([image], [m], "black")[0][:, 0, 0, :3], torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("masks,outside,message", [
+    (None, "gray", "input 'outside_mask' is 'gray' but no masks are connected; connect masks (Precision Resolution "
+                   "Buckets' masks) or set outside_mask to keep"),
+    ("left", "grey", "input 'outside_mask'='grey' is not an option; choose one of ['keep', 'white', 'black', 'gray']"),
+])
+def test_outside_mask_without_masks_or_unknown_is_refused_before_anything_is_encoded(enc, folder, masks, outside,
+                                                                                       message):
+    images = _images(3, (64, 32))
+    with pytest.raises(ValueError, match=re.escape("PrecisionCachedTrainingDataset: " + message)):
+        run_masked(images, _left_masks(images) if masks else None, enc, outside=outside)
+    assert enc.take() == (0, 0) and not os.path.exists(folder)
 
 
 def test_a_changed_mask_is_computed_again_and_the_latents_come_from_the_cache(enc, folder):

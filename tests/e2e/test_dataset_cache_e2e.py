@@ -203,6 +203,52 @@ def test_masks_on_the_cached_dataset_train_as_train_loras_mask_input_and_are_cac
     assert "3 masks (3 distinct, on their latents as noise_mask): 0 computed, 3 from cache" in text, text
 
 
+def _outside_folders(base: str) -> tuple[str, str]:
+    """Two datasets of 3 captioned 64x64 images (Resolution Buckets leaves them at their size) with a mask file
+    each (left half white): the second's images are the first's with new random pixels where the mask is 0."""
+    first, second = "dataset_cache_outside_a", "dataset_cache_outside_b"
+    write_dataset(base, first)
+    shutil.rmtree(os.path.join(base, "input", second), ignore_errors=True)
+    shutil.copytree(os.path.join(base, "input", first), os.path.join(base, "input", second))
+    rng = np.random.default_rng(5)
+    mask = np.zeros((64, 64), dtype=np.uint8)
+    mask[:, :24] = 255
+    for i in range(3):
+        pixels = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(os.path.join(base, "input", first, f"img{i}.png"))
+        other = np.where(mask[..., None] == 0, rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), pixels)
+        Image.fromarray(other).save(os.path.join(base, "input", second, f"img{i}.png"))
+        for folder in (first, second):
+            Image.fromarray(mask).save(os.path.join(base, "input", folder, f"img{i}_mask.png"))
+    return first, second
+
+
+def test_pixels_outside_the_masks_leave_the_lora_unchanged_with_outside_mask_gray(server, base):
+    """Issue 38's masked training line through /prompt: two datasets that differ only where their masks are 0,
+    Cached Training Dataset outside_mask = gray, Train LoRA at unmasked_weight 0: the same LoRA, every bit. With
+    outside_mask = keep the two give different LoRAs (the model reads the whole image as context), so the
+    comparison can fail."""
+    loras, folders = {}, _outside_folders(base)
+    for outside in ("gray", "keep"):
+        for folder in folders:
+            prompt, ids = _masked_prompt(folder, True)
+            prompt[ids["data"]]["inputs"]["outside_mask"] = outside
+            prompt[ids["train"]]["inputs"]["name"] = f"outside_{outside}_{folder[-1]}"
+            entry = _run(server, prompt)
+            text = _report(entry, ids["data"])
+            assert ("pixels outside the masks set to gray before encoding" in text) == (outside == "gray"), text
+            (path,) = entry["outputs"][ids["save"]]["text"][:1]
+            with safetensors.safe_open(path, "pt") as f:
+                assert f.metadata()["precision_lora_mask"] == "3 of 3 samples masked, unmasked_weight 0"
+                loras[outside, folder[-1]] = {k: f.get_tensor(k) for k in f.keys()}
+    a, b = loras["gray", "a"], loras["gray", "b"]
+    assert set(a) == set(b) and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    kept_a, kept_b = loras["keep", "a"], loras["keep", "b"]
+    assert any(not torch.equal(kept_a[k], kept_b[k]) for k in kept_a), "keep: the pixels outside changed nothing"
+
+
 def _entries(base: str) -> dict[str, int]:
     """{path under the cache folder: modification time in ns} of every file in the dataset cache."""
     root = os.path.join(base, "cache", "precision_lora", "dataset")
@@ -247,12 +293,12 @@ def test_cache_off_encodes_and_writes_no_file(server, base):
 
 def test_every_input_of_the_cache_node_went_through_the_server(server):
     """Runs last: every input of Cached Training Dataset took a non-default value (sockets connected, each
-    cache mode) in a prompt queued above. Its one widget, the ``cache`` combo, is sent literally: no stock node
-    outputs a COMBO that could carry its options (checked here, so a host that adds one fails this; 0.33's
+    cache mode, outside_mask gray) in a prompt queued above. Its widgets, the ``cache`` and ``outside_mask``
+    combos, are sent literally: no stock node outputs a COMBO that could carry its options (checked here, so a host that adds one fails this; 0.33's
     GetVideoComponents outputs a video's color space)."""
     info = server.object_info()
     missing, unlinked = coverage(info, AREAS["dataset"], SENT)
     assert missing == [], missing
-    assert unlinked == ["PrecisionCachedTrainingDataset.cache"], unlinked
+    assert unlinked == ["PrecisionCachedTrainingDataset.cache", "PrecisionCachedTrainingDataset.outside_mask"], unlinked
     combo_out = sorted(k for k, v in info.items() for t in v.get("output", []) if t == "COMBO" or isinstance(t, list))
     assert set(combo_out) <= {"GetVideoComponents"}, combo_out
