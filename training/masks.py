@@ -8,6 +8,10 @@ on the scale of the unmasked loss, and at ``unmasked_weight`` 0 the prediction o
 all. The model still sees the whole latent (attention mixes the cells), so the LoRA can still depend on what is
 outside the mask through what the model reads there; what it is trained to reproduce is the masked region only.
 Pure torch, no ComfyUI.
+
+``OUTSIDE_KEY``: the LATENT key under which Cached Training Dataset says which colour it gave the pixels where the
+mask is 0 before encoding (its ``outside_mask``); Train LoRA reports it and refuses it with ``unmasked_weight`` above
+0, which would train that flat colour.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+OUTSIDE_KEY = "precision_outside_mask"
 
 
 def to_grid(mask: torch.Tensor, latent_shape: Sequence[int]) -> torch.Tensor:

@@ -35,7 +35,7 @@ from ...data.encode_cache import BadEntry, EntryStore, NotCacheable, digest, pac
 from . import cache_glue as glue
 from ...data.frames import frames_problem, vae_family, vae_frame_step
 from ...data.image_reading import BACKGROUNDS, paired_masks
-from ...training.masks import to_grid
+from ...training.masks import OUTSIDE_KEY, to_grid
 from ..checks.gate import PrecisionNode
 from ..host import page
 from ..host.comfy_io import io, ui
@@ -282,7 +282,8 @@ def build(images: list, texts: list | None, vae: Any, clip: Any, mode: str, fold
         if mode != "off" and not (it.kind == "text" and hooks):
             _write(store, it, report)
         progress.encoded_one(label[it.kind], time.monotonic() - t0)
-    latents = [{"samples": items[k].value, **({} if m is None else {"noise_mask": items[m].value})}
+    filled = {} if outside == "keep" else {OUTSIDE_KEY: outside}
+    latents = [{"samples": items[k].value, **({} if m is None else {"noise_mask": items[m].value, **filled})}
                for k, m in zip(image_keys, mask_keys)]
     conditioning = [items[k].value for k in text_keys]
     report.seconds = time.monotonic() - began

@@ -30,7 +30,7 @@ import torch
 
 from ...training.grad import clone_if_inference
 from ...training.loop import Sample
-from ...training.masks import coverage, to_grid
+from ...training.masks import OUTSIDE_KEY, coverage, to_grid
 from ..model.data_checks import conditioning_problem, is_minimax_h3, is_packed, latent_problem
 from ..dataset.resolution import size_problem
 
@@ -208,6 +208,7 @@ class DatasetReport:
     empty: list[int] = field(default_factory=list)  # samples (0-based) whose caption is empty_conditioning's
     masked: list[int] = field(default_factory=list)  # samples (0-based) with a mask (masked loss)
     coverage: float = 0.0  # the summed share of their latents the masks cover
+    outside: list[str] = field(default_factory=list)  # colours Cached Training Dataset gave the pixels outside masks
 
     def lines(self) -> list[str]:
         sizes = ", ".join(f"{size} x{n}" for size, n in self.sizes.items())
@@ -226,7 +227,8 @@ class DatasetReport:
                        "that the .txt names match the images")
         if self.masked:
             out.append(f"masks: {len(self.masked)} of {self.samples} samples masked, covering "
-                       f"{100 * self.coverage / len(self.masked):.0f} % of their latents on average (masked loss)")
+                       f"{100 * self.coverage / len(self.masked):.0f} % of their latents on average (masked loss)"
+                       + (f"; {self.outside_line()}" if self.outside else ""))
         for group in self.shared:
             out.append(f"samples {', '.join(str(i + 1) for i in group)} have the same caption: images without a "
                        ".txt caption all get the empty caption from MakeTrainingDataset; add captions or check "
@@ -235,6 +237,9 @@ class DatasetReport:
 
     def summary(self) -> str:
         return "; ".join(self.lines())
+
+    def outside_line(self) -> str:
+        return f"pixels outside the masks set to {' / '.join(self.outside)} before encoding"
 
 
 def _same_caption(a: list, b: list) -> bool:
@@ -300,13 +305,31 @@ def build_samples(model: Any, latents: list[Any], conditionings: list[Any], clas
 
 
 def build_dataset(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,
-                  device: torch.device, empty: list[Any] | None = None,
-                  masks: list[Any] | None = None) -> tuple[list[Sample], DatasetReport]:
+                  device: torch.device, empty: list[Any] | None = None, masks: list[Any] | None = None,
+                  unmasked_weight: float = 0.0) -> tuple[list[Sample], DatasetReport]:
     """``build_samples`` and the report of what they are. ``empty``: the empty caption's CONDITIONING
     (Train LoRA's empty_conditioning), when connected: the report names the samples that train on it.
-    ``masks``: Train LoRA's mask input (MASKs), else a LATENT's own ``noise_mask`` (``sample_masks``)."""
+    ``masks``: Train LoRA's mask input (MASKs), else a LATENT's own ``noise_mask`` (``sample_masks``).
+    ``unmasked_weight`` (Train Settings'): above 0, latents whose pixels outside the mask were set to a colour
+    (``outside_colours``) are refused."""
+    outside = outside_colours(latents, unmasked_weight)
     with torch.inference_mode(False):
-        return _build(model, latents, conditionings, class_conditionings, device, empty, masks)
+        samples, report = _build(model, latents, conditionings, class_conditionings, device, empty, masks)
+    report.outside = outside
+    return samples, report
+
+
+def outside_colours(latents: list[Any], unmasked_weight: float) -> list[str]:
+    """The colours Cached Training Dataset's outside_mask gave the pixels outside these latents' masks (none:
+    keep). With ``unmasked_weight`` above 0 they are refused: the loss would train the LoRA on that flat colour."""
+    found = [(i, lat[OUTSIDE_KEY]) for i, lat in enumerate(latents) if isinstance(lat, dict) and OUTSIDE_KEY in lat]
+    if found and unmasked_weight > 0:
+        i, colour = found[0]
+        raise _err("latents", f"LATENT {i} was encoded with the pixels outside its mask set to {colour} (Cached "
+                              f"Training Dataset's outside_mask), and unmasked_weight={unmasked_weight:g} would train "
+                              "the LoRA on that flat colour there; set unmasked_weight to 0 (Precision Train Settings) "
+                              "or outside_mask to keep")
+    return sorted({colour for _, colour in found})
 
 
 def _build(model: Any, latents: list[Any], conditionings: list[Any], class_conditionings: list[Any] | None,

@@ -441,7 +441,7 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
     with compiled_training(model, plan.session, compiling) as compiled, \
             training_session(model, lora_set, plan.session) as device, attention_account(model) as attention:
         samples, report = build_dataset(model, latents, conditioning, class_conditioning, device, empty_conditioning,
-                                        masks)
+                                        masks, cfg.unmasked_weight)
         for line in [*report.lines(), *attention.start_lines()]:
             log.info("PrecisionTrainLoRA: %s", line)
         shown = [*report.lines(), *attention.start_lines(), *changes]
@@ -450,7 +450,8 @@ def _run(model, lora_set, cfg: TrainSettings, latents, conditioning, class_condi
         lora_set.info.pop("precision_lora_mask", None)
         if report.masked:
             lora_set.info["precision_lora_mask"] = (f"{len(report.masked)} of {report.samples} samples masked, "
-                                                    f"unmasked_weight {cfg.unmasked_weight:g}")
+                                                    f"unmasked_weight {cfg.unmasked_weight:g}"
+                                                    + (f", {report.outside_line()}" if report.outside else ""))
         start = state.step if state is not None else 0
         lora_set.info.update(training_metadata(plan.session, report.sizes, report.samples, start + steps, seed if state is None
                                                else state.seed))

@@ -330,7 +330,7 @@ def _left_masks(images: list[torch.Tensor], share: float = 0.5) -> list[torch.Te
     return masks
 
 
-def _trained(pack_module, latents, conds, mask=None) -> dict:
+def _trained(pack_module, latents, conds, mask=None, **inputs) -> dict:
     """The LoRA (down, up) per module after 3 steps of Train LoRA on a tiny Flux.1 whose text widths are this
     CLIP's 64, from these latents and conditionings (``mask``: Train LoRA's mask input)."""
     tiny, compat = pack_module("demo.tiny_models"), pack_module("nodes.host.comfy_compat")
@@ -339,7 +339,8 @@ def _trained(pack_module, latents, conds, mask=None) -> dict:
     model = tiny.build_tiny_model("flux1_dev", seed=0, unet_config=config)
     with torch.inference_mode():  # as ComfyUI's executor runs nodes
         attached = glue.attach_lora(model, lora.LoRAConfig(rank=2, alpha=2))
-        out = _out(train.PrecisionTrainLoRA.execute([attached], latents, conds, [3], [0], ["cache_masks"], mask=mask))
+        out = _out(train.PrecisionTrainLoRA.execute([attached], latents, conds, [3], [0], ["cache_masks"], mask=mask,
+                                                    **inputs))
     return {k: (a.down.detach().clone(), a.up.detach().clone())
             for k, a in glue.get_lora_set(out[0]).adapters().items()}
 
@@ -413,6 +414,24 @@ def test_outside_mask_gray_keeps_the_pixels_outside_the_masks_from_the_lora(enc,
         assert torch.equal(first[k][0], second[k][0]) and torch.equal(first[k][1], second[k][1]), k
     a, b = _trained(pack_module, kept, conds), _trained(pack_module, kept_other, conds)
     assert any(not torch.equal(a[k][1], b[k][1]) for k in a), "keep: the region outside changed nothing"
+    enc.take()
+
+
+def test_a_colour_outside_the_masks_with_unmasked_weight_above_0_is_refused_by_train_lora(enc, folder, pack_module):
+    """Latents encoded with outside_mask = gray carry the colour; Train LoRA at unmasked_weight 0.5 would train
+    the flat gray there and refuses, naming the fix; the same latents encoded with keep train."""
+    settings = pack_module("training.settings").TrainSettings(unmasked_weight=0.5)
+    images = _images(3, (64, 32))
+    latents, conds, _ = run_masked(images, _left_masks(images), enc, outside="gray")
+    assert [lat["precision_outside_mask"] for lat in latents] == ["gray"] * 3
+    with pytest.raises(ValueError, match=re.escape(
+            "PrecisionTrainLoRA: input 'latents': LATENT 0 was encoded with the pixels outside its mask set to gray "
+            "(Cached Training Dataset's outside_mask), and unmasked_weight=0.5 would train the LoRA on that flat "
+            "colour there; set unmasked_weight to 0 (Precision Train Settings) or outside_mask to keep")):
+        _trained(pack_module, latents, conds, settings=[settings])
+    kept, _, _ = run_masked(images, _left_masks(images), enc, outside="keep")
+    assert all("precision_outside_mask" not in lat for lat in kept)
+    assert _trained(pack_module, kept, conds, settings=[settings])
     enc.take()
 
 
