@@ -130,8 +130,9 @@ CACHE_MASKS = "image_dataset_ui_cache_masks"
 def test_masks_through_the_cached_dataset_from_the_page(comfy_page, comfy_server):
     """Cached Training Dataset's masks from the page: Load Image Dataset (mask = alpha) → Resolution Buckets' masks →
     the cache node's masks (with Load VAE and Load CLIP: a tiny TAESD VAE, tests/real_arch.py's real-size CLIP-L),
-    its latents into Train LoRA without Train LoRA's own mask. The page queues the link as dropped; the node's
-    report says the mask rides on its latent, and the saved LoRA says its one sample trained masked."""
+    its latents into Train LoRA without Train LoRA's own mask, outside_mask gray. The page queues the link and the
+    widget as dropped; the node's report says the mask rides on its latent and the pixels outside it were set to
+    gray, and the saved LoRA says its one sample trained masked that way."""
     import subprocess
     import sys
 
@@ -162,7 +163,7 @@ def test_masks_through_the_cached_dataset_from_the_page(comfy_page, comfy_server
                                                      "device": "default"}},
         "5": {"class_type": "PrecisionCachedTrainingDataset", "inputs": {
             "images": ["2", 0], "vae": ["3", 0], "clip": ["4", 0], "texts": ["2", 1], "cache": "off",
-            "masks": ["2", 3]}},
+            "masks": ["2", 3], "outside_mask": "gray"}},
         "6": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {
             "model_name": real_arch.TINY_FLUX_NAME, "weight_dtype": "fp32"}},
         "7": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["6", 0], **ATTACH}},
@@ -178,8 +179,11 @@ def test_masks_through_the_cached_dataset_from_the_page(comfy_page, comfy_server
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:2000]
     sent = entry["prompt"][2]
     assert sent["5"]["inputs"]["masks"] == ["2", 3] and "mask" not in sent["8"]["inputs"], sent
+    assert sent["5"]["inputs"]["outside_mask"] == "gray", sent
     (report,) = entry["outputs"]["5"]["text"]
     assert "1 masks (1 distinct, on their latents as noise_mask): 1 computed, 0 from cache" in report, report
+    assert "pixels outside the masks set to gray before encoding" in report, report
     md = _metadata(entry["outputs"]["9"]["text"][0])
-    assert md["precision_lora_mask"] == "1 of 1 samples masked, unmasked_weight 0", md
+    assert md["precision_lora_mask"] == ("1 of 1 samples masked, unmasked_weight 0, pixels outside the masks set to "
+                                         "gray before encoding"), md
     assert comfy_page.pack_errors() == []
