@@ -64,28 +64,42 @@ ATTACH = dict(rank=4, alpha=4.0, targets="attention", include="", exclude="", bl
               dry_run=False, init_lora="none")
 
 
+def _half_opaque(base_dir: str, folder: str, name: str, colour: tuple[int, int, int], caption: str) -> None:
+    """One 64x64 RGBA image ``<name>.png`` in ``input/<folder>``: its top half opaque ``colour``, the rest
+    transparent (its alpha channel is the mask), with its caption beside it."""
+    path = os.path.join(base_dir, "input", folder)
+    os.makedirs(path, exist_ok=True)
+    top = np.zeros((64, 64, 4), dtype=np.uint8)
+    top[:32] = (*colour, 255)
+    Image.fromarray(top, "RGBA").save(os.path.join(path, f"{name}.png"))
+    with open(os.path.join(path, f"{name}.txt"), "w", encoding="utf-8") as f:
+        f.write(caption)
+
+
+def _alpha_masked_dataset(folder: str) -> dict:
+    """Nodes "1" and "2" of an API prompt: Precision Load Image Dataset (mask = alpha) on ``folder``, then
+    Resolution Buckets (64 px) with its masks."""
+    return {
+        "1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
+            "folder": folder, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty",
+            "mask": "alpha"}},
+        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
+            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0,
+            "masks": ["1", 3]}},
+    }
+
+
 def test_masked_training_with_the_best_validation_lora_from_the_page(comfy_page, comfy_server):
     """Masked loss and keep_best_validation from the page: Load Image Dataset's mask (alpha) through Resolution
     Buckets' masks into Train LoRA's mask, Train Settings' unmasked_weight and keep_best_validation; the page queues
     the links and values as dropped and the saved LoRA says what the server did with them."""
     from training.settings import TrainSettings
 
-    path = os.path.join(comfy_server.base_dir, "input", MASKS)
-    os.makedirs(path, exist_ok=True)
-    top = np.zeros((64, 64, 4), dtype=np.uint8)
-    top[:32] = (30, 30, 200, 255)  # the top half opaque
-    Image.fromarray(top, "RGBA").save(os.path.join(path, "n.png"))
-    with open(os.path.join(path, "n.txt"), "w", encoding="utf-8") as f:
-        f.write("n")
+    _half_opaque(comfy_server.base_dir, MASKS, "n", (30, 30, 200), "n")
     settings = TrainSettings(learning_rate=1e-2, unmasked_weight=0.25, validate_every_n_steps=1,
                              validation_fraction=0.5, keep_best_validation=True).to_dict()
     prompt = {
-        "1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
-            "folder": MASKS, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty",
-            "mask": "alpha"}},
-        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
-            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0,
-            "masks": ["1", 3]}},
+        **_alpha_masked_dataset(MASKS),
         "3": {"class_type": "PrecisionLoadDiffusionModel", "inputs": {
             "model_name": "precision_tiny_flux1_dev.safetensors", "weight_dtype": "fp32"}},
         "4": {"class_type": "PrecisionAttachLoRA", "inputs": {"model": ["3", 0], **ATTACH}},
@@ -144,20 +158,9 @@ def test_masks_through_the_cached_dataset_from_the_page(comfy_page, comfy_server
     os.makedirs(os.path.dirname(vae), exist_ok=True)
     for cmd in ([os.path.join(root, "tests", "real_arch.py"), base], [os.path.join(root, "tests", "preview_vae.py"), vae]):
         subprocess.run([sys.executable, *cmd], check=True, env=server_env(), timeout=600)
-    path = os.path.join(base, "input", CACHE_MASKS)
-    os.makedirs(path, exist_ok=True)
-    top = np.zeros((64, 64, 4), dtype=np.uint8)
-    top[:32] = (200, 30, 30, 255)  # the top half opaque
-    Image.fromarray(top, "RGBA").save(os.path.join(path, "t.png"))
-    with open(os.path.join(path, "t.txt"), "w", encoding="utf-8") as f:
-        f.write("a photo of sks")
+    _half_opaque(base, CACHE_MASKS, "t", (200, 30, 30), "a photo of sks")
     prompt = {
-        "1": {"class_type": "PrecisionLoadImageDataset", "inputs": {
-            "folder": CACHE_MASKS, "alpha": "white", "animated": "first_frame", "missing_caption": "train_empty",
-            "mask": "alpha"}},
-        "2": {"class_type": "PrecisionResolutionBuckets", "inputs": {
-            "images": ["1", 0], "texts": ["1", 1], "resolution": 64, "multiple": 16, "max_upscale": 2.0,
-            "masks": ["1", 3]}},
+        **_alpha_masked_dataset(CACHE_MASKS),
         "3": {"class_type": "VAELoader", "inputs": {"vae_name": os.path.basename(vae)}},
         "4": {"class_type": "CLIPLoader", "inputs": {"clip_name": real_arch.CLIP_L_NAME, "type": "stable_diffusion",
                                                      "device": "default"}},

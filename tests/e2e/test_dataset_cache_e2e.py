@@ -227,7 +227,8 @@ def test_pixels_outside_the_masks_leave_the_lora_unchanged_with_outside_mask_gra
     """Issue 38's masked training line through /prompt: two datasets that differ only where their masks are 0,
     Cached Training Dataset outside_mask = gray, Train LoRA at unmasked_weight 0: the same LoRA, every bit. With
     outside_mask = keep the two give different LoRAs (the model reads the whole image as context), so the
-    comparison can fail."""
+    comparison can fail. The gray latents at unmasked_weight 0.5 are refused by Train LoRA (it would train the
+    flat gray)."""
     loras, folders = {}, _outside_folders(base)
     for outside in ("gray", "keep"):
         for folder in folders:
@@ -250,6 +251,18 @@ def test_pixels_outside_the_masks_leave_the_lora_unchanged_with_outside_mask_gra
         assert torch.equal(a[k], b[k]), k
     kept_a, kept_b = loras["keep", "a"], loras["keep", "b"]
     assert any(not torch.equal(kept_a[k], kept_b[k]) for k in kept_a), "keep: the pixels outside changed nothing"
+
+    prompt, ids = _masked_prompt(folders[0], True)  # the same gray latents at unmasked_weight 0.5: refused
+    prompt[ids["data"]]["inputs"]["outside_mask"] = "gray"
+    prompt[_of(prompt, "PrecisionTrainSettings")]["inputs"]["unmasked_weight"] = 0.5
+    entry = server.wait(server.post_prompt(prompt))
+    SENT.append(copy.deepcopy(prompt))
+    assert entry["status"]["status_str"] == "error"
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_id"] == ids["train"], errors
+    assert ("PrecisionTrainLoRA: input 'latents': LATENT 0 was encoded with the pixels outside its mask set to gray "
+            "(Cached Training Dataset's outside_mask), and unmasked_weight=0.5 would train the LoRA on that flat "
+            "colour there; set unmasked_weight to 0") in errors[0]["exception_message"], errors
 
 
 def _entries(base: str) -> dict[str, int]:
